@@ -1,0 +1,39 @@
+"""accel_magic: `%accel_setup` and `%%accel_train` make accelerate work in any notebook runtime.
+
+Importing this package or loading the extension imports none of torch, accelerate or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "load_ipython_extension", "unload_ipython_extension"]
+
+# torch.cuda.is_available() asks NVML instead of initializing CUDA (which poisons every later fork).
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+_set_by_us: set[str] = set()
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    from .magics import AccelMagics
+
+    if NVML_CHECK not in os.environ:
+        os.environ[NVML_CHECK] = "1"
+        _set_by_us.add(NVML_CHECK)
+    ipython.register_magics(AccelMagics)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Remove exactly what load_ipython_extension added."""
+    manager = ipython.magics_manager
+    instance = manager.registry.pop("AccelMagics", None)
+    for kind, names in (("line", ("accel_setup",)), ("cell", ("accel_train",))):
+        for name in names:
+            manager.magics[kind].pop(name, None)
+    if instance is not None and instance in ipython.configurables:
+        ipython.configurables.remove(instance)
+    for key in list(_set_by_us):
+        os.environ.pop(key, None)
+        _set_by_us.discard(key)

@@ -1,0 +1,101 @@
+"""Build the notebook's Accelerator from a plan, guarding the environment traps accelerate falls into."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import MutableMapping
+from typing import Any
+
+from .plan import Plan
+
+__all__ = ["SetupError", "LazyAccelerator", "build_accelerator", "prepare_environment", "reset_state"]
+
+STALE_FLAGS = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")
+
+
+class SetupError(RuntimeError):
+    """The environment forbids the plan; the message is one sentence saying what to do."""
+
+
+def _accelerate_uses_xla() -> bool:
+    imports = sys.modules.get("accelerate.utils.imports")
+    return bool(getattr(imports, "_torch_xla_available", False))
+
+
+def prepare_environment(plan: Plan, env: MutableMapping[str, str] | None = None) -> list[str]:
+    """Set what accelerate reads at import or construction; return a note per change the user should know."""
+    env = os.environ if env is None else env
+    notes = []
+    stale = [k for k in STALE_FLAGS if k in env]
+    for key in stale:
+        del env[key]
+    if stale:
+        notes.append(f"Removed {' and '.join(stale)} left in the environment by an earlier attempt.")
+    if plan.device != "xla":
+        if _accelerate_uses_xla():
+            raise SetupError(
+                "accelerate was imported before %accel_setup on this TPU runtime and will use XLA even in CPU mode: "
+                "restart the kernel and run %accel_setup before importing accelerate."
+            )
+        env["USE_TORCH_XLA"] = "0"  # accelerate picks XLA whenever torch_xla imports, even with cpu=True
+    return notes
+
+
+def reset_state() -> bool:
+    """Clear accelerate's shared state so a new Accelerator can differ; True when there was state."""
+    if "accelerate" not in sys.modules:
+        return False
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    had = bool(PartialState._shared_state or AcceleratorState._shared_state)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return had
+
+
+def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
+    return {"cpu": plan.cpu, "mixed_precision": plan.mixed_precision}
+
+
+class LazyAccelerator:
+    """The notebook's Accelerator on a multi-GPU runtime: built on first use, so the kernel stays CUDA-free
+    until then and %%accel_train can still fork GPU ranks."""
+
+    def __init__(self, plan: Plan):
+        object.__setattr__(self, "_plan", plan)
+        object.__setattr__(self, "_real", None)
+
+    @property
+    def built(self) -> bool:
+        return self._real is not None
+
+    def _build(self) -> Any:
+        if self._real is None:
+            from accelerate import Accelerator
+
+            object.__setattr__(self, "_real", Accelerator(**accelerator_kwargs(self._plan)))
+        return self._real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._build(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._build(), name, value)
+
+    def __repr__(self) -> str:
+        if self._real is not None:
+            return repr(self._real)
+        return f"<Accelerator on {self._plan.device}, built on first use>"
+
+
+def build_accelerator(plan: Plan) -> Any:
+    """The CPU-safe Accelerator for the notebook (or a LazyAccelerator when the plan says so).
+
+    On CPU it passes ``cpu=True``; it never imports torch_xla unless the plan is XLA.
+    """
+    if plan.accelerator == "lazy":
+        return LazyAccelerator(plan)
+    from accelerate import Accelerator
+
+    return Accelerator(**accelerator_kwargs(plan))

@@ -1,0 +1,278 @@
+"""Decide how to train from a described runtime and a request: pure data in, data out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import takewhile
+from typing import Any
+
+from .runtime import Runtime
+
+__all__ = ["Request", "Plan", "PlanError", "make_plan", "MIXED_PRECISION", "STRATEGIES"]
+
+MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
+STRATEGIES = ("ddp", "fsdp", "deepspeed")
+
+
+class PlanError(ValueError):
+    """A request that cannot be honoured here; the message is one sentence saying what to do."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked for; None means "decide for me"."""
+
+    num_processes: int | None = None
+    cpu: bool = False
+    mixed_precision: str | None = None
+    strategy: str = "ddp"
+    strict: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every decision, with a note for each one the user did not ask for."""
+
+    device: str  # "cpu", "cuda", "xla" or "mps"
+    backend: str | None  # process-group backend of launched ranks: "gloo", "nccl", "xla" or None
+    cpu: bool  # accelerate's `cpu` flag
+    num_processes: int
+    mixed_precision: str
+    strategy: str
+    threads_per_process: int
+    launch: str  # "kernel": the cell runs in the kernel; "fork": forked ranks
+    accelerator: str  # "eager": built now; "lazy": built on first use (keeps the kernel CUDA-free)
+    notes: tuple[str, ...] = ()
+    runtime: Runtime = field(default_factory=Runtime, compare=False)
+    request: Request = field(default_factory=Request, compare=False)
+
+    def __repr__(self) -> str:
+        from .display import plan_text
+
+        return plan_text(self)
+
+    def _repr_html_(self) -> str:
+        from .display import plan_html
+
+        return plan_html(self)
+
+    def _ipython_display_(self) -> None:
+        from .display import show_plan
+
+        show_plan(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "backend": self.backend,
+            "cpu": self.cpu,
+            "num_processes": self.num_processes,
+            "mixed_precision": self.mixed_precision,
+            "strategy": self.strategy,
+            "threads_per_process": self.threads_per_process,
+            "launch": self.launch,
+            "accelerator": self.accelerator,
+            "notes": list(self.notes),
+        }
+
+
+def _arch_runs(capability: tuple[int, int], archs: tuple[str, ...]) -> bool:
+    """A cubin for sm_XY runs on sm_XZ with Z >= Y; PTX for compute_XY JIT-compiles on anything newer."""
+    major, minor = capability
+    for arch in archs:
+        kind, _, num = arch.partition("_")
+        digits = "".join(takewhile(str.isdigit, num))  # "sm_90a" -> "90"
+        if len(digits) < 2:
+            continue
+        a_major, a_minor = int(digits[:-1]), int(digits[-1])
+        if kind == "sm" and a_major == major and a_minor <= minor:
+            return True
+        if kind == "compute" and (a_major, a_minor) <= capability:
+            return True
+    return False
+
+
+def _validate(request: Request) -> None:
+    n = request.num_processes
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise PlanError(f"num_processes must be a whole number of at least 1, not {n!r}.")
+    if request.mixed_precision is not None and request.mixed_precision not in MIXED_PRECISION:
+        raise PlanError(
+            f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}, not {request.mixed_precision!r}."
+        )
+    if request.strategy not in STRATEGIES:
+        raise PlanError(f"strategy must be one of {', '.join(STRATEGIES)}, not {request.strategy!r}.")
+
+
+class _Notes:
+    """Collects notes; under --strict a fallback is a refusal instead."""
+
+    def __init__(self, strict: bool):
+        self.strict = strict
+        self.items: list[str] = []
+
+    def fallback(self, reason: str, outcome: str, fix: str) -> None:
+        """Record "<reason>, so <outcome>." or, under --strict, refuse with "<reason>: <fix> ..."."""
+        if self.strict:
+            raise PlanError(f"{reason}: {fix}, or drop --strict to accept that {outcome}.")
+        self.items.append(f"{reason}, so {outcome}.")
+
+    def add(self, sentence: str) -> None:
+        self.items.append(sentence)
+
+
+def _choose_device(rt: Runtime, req: Request, notes: _Notes) -> str:
+    if req.cpu:
+        return "cpu"
+    if rt.tpu:
+        if rt.torch_xla:
+            return "xla"
+        notes.fallback(
+            f"This is a TPU runtime ({rt.tpu}) but torch_xla is not installed",
+            "training runs on the CPU",
+            "install torch_xla",
+        )
+        return "cpu"
+    if rt.gpus:
+        gpu = rt.gpus[0]
+        if rt.torch_cuda_archs == ():
+            notes.fallback(
+                f"The installed torch is a CPU build and cannot use the GPU ({gpu.name})",
+                "training runs on the CPU",
+                "install a CUDA build of torch or add --cpu",
+            )
+            return "cpu"
+        if rt.torch_cuda_archs and gpu.capability and not _arch_runs(gpu.capability, rt.torch_cuda_archs):
+            major, minor = gpu.capability
+            notes.fallback(
+                f"The installed torch cannot run the {gpu.name} (sm_{major}{minor}; it is built for "
+                f"{' '.join(rt.torch_cuda_archs)})",
+                "training runs on the CPU",
+                "install a torch build that supports this GPU or add --cpu",
+            )
+            return "cpu"
+        return "cuda"
+    if rt.mps:
+        return "mps"
+    return "cpu"
+
+
+def _num_processes(rt: Runtime, req: Request, device: str, notes: _Notes) -> int:
+    n = req.num_processes
+    if device == "cuda":
+        if n is None:
+            return rt.gpu_count
+        if n > rt.gpu_count:
+            raise PlanError(
+                f"{n} processes need {n} GPUs but this runtime has {rt.gpu_count} (NCCL ranks cannot share a GPU): "
+                f"use -n {rt.gpu_count}, or add --cpu to run {n} processes on the CPU."
+            )
+        return n
+    if device == "mps" and n is not None and n > 1:
+        raise PlanError("MPS runs a single process: use -n 1, or add --cpu to run several processes on the CPU.")
+    n = n or 1
+    if device == "cpu" and n > rt.cpu_budget:
+        cpus = f"{rt.cpu_budget} CPU" + ("s" if rt.cpu_budget != 1 else "")
+        notes.add(f"{n} processes share a budget of {cpus}: this is for learning distributed training, not for speed.")
+    return n
+
+
+def _mixed_precision(rt: Runtime, req: Request, device: str, notes: _Notes) -> str:
+    mp = req.mixed_precision or "no"
+    if device == "cpu" and mp in ("fp16", "fp8"):
+        notes.fallback(
+            f"{mp} has no effect on the CPU (accelerate would silently ignore it)",
+            "training runs in full precision (--mixed-precision bf16 gives bf16 autocast on the CPU)",
+            "use --mixed-precision bf16 or no",
+        )
+        return "no"
+    if device == "xla" and mp == "fp16":
+        notes.fallback("TPUs compute in bf16, not fp16", "mixed precision is bf16", "use --mixed-precision bf16")
+        return "bf16"
+    if device == "cuda" and mp in ("bf16", "fp8"):
+        caps = [g.capability for g in rt.gpus if g.capability]
+        lowest = min(caps) if caps else None
+        if mp == "fp8" and lowest is not None and lowest < (8, 9):
+            fallback = "bf16" if lowest >= (8, 0) else "fp16"
+            notes.fallback(
+                f"fp8 needs a GPU of compute capability 8.9 or newer (this one is {lowest[0]}.{lowest[1]})",
+                f"mixed precision is {fallback}",
+                f"use --mixed-precision {fallback}",
+            )
+            return fallback
+        if mp == "bf16" and lowest is not None and lowest < (8, 0):
+            notes.fallback(
+                f"bf16 needs a GPU of compute capability 8.0 or newer (this one is {lowest[0]}.{lowest[1]})",
+                "mixed precision is fp16",
+                "use --mixed-precision fp16",
+            )
+            return "fp16"
+    if device == "mps" and mp == "fp8":
+        notes.fallback("fp8 does not run on MPS", "training runs in full precision", "use --mixed-precision no")
+        return "no"
+    return mp
+
+
+def _strategy(rt: Runtime, req: Request, device: str, notes: _Notes) -> str:
+    wanted = req.strategy
+    if wanted == "ddp":
+        return wanted
+    name = {"fsdp": "FSDP", "deepspeed": "DeepSpeed"}[wanted]
+    if device != "cuda":
+        where = "the CPU" if device == "cpu" else device.upper()
+        notes.fallback(
+            f"{name} needs CUDA GPUs and this plan runs on {where} (accelerate would silently build a plain setup)",
+            "the ranks use DDP",
+            "use --strategy ddp",
+        )
+        return "ddp"
+    if wanted == "deepspeed" and not rt.deepspeed:
+        notes.fallback("DeepSpeed is not installed", "the ranks use DDP", "pip install deepspeed")
+        return "ddp"
+    return wanted
+
+
+def make_plan(runtime: Runtime, request: Request | None = None) -> Plan:
+    """Decide device, backend, processes, precision, threads and launch mode.
+
+    Raises PlanError (one sentence) when the request cannot work here, or when --strict
+    forbids a fallback.
+    """
+    req = request or Request()
+    _validate(req)
+    notes = _Notes(req.strict)
+    device = _choose_device(runtime, req, notes)
+    n = _num_processes(runtime, req, device, notes)
+    mp = _mixed_precision(runtime, req, device, notes)
+    strategy = _strategy(runtime, req, device, notes)
+    backend = {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}.get(device)
+    if runtime.omp_num_threads:
+        threads = runtime.omp_num_threads
+    else:
+        threads = max(1, runtime.cpu_budget // n)
+    launch = "kernel" if n == 1 else "fork"
+    accelerator = "lazy" if device == "cuda" and runtime.gpu_count > 1 else "eager"
+    if device == "cuda" and accelerator == "eager":
+        notes.add(
+            "The notebook's accelerator uses the GPU in the kernel: launches of CPU ranks still work, "
+            "but a forked GPU launch will then need a kernel restart."
+        )
+    if accelerator == "lazy":
+        notes.add(
+            "The notebook's accelerator is built on first use, so the kernel stays CUDA-free and "
+            "%%accel_train can fork GPU ranks."
+        )
+    return Plan(
+        device=device,
+        backend=backend,
+        cpu=device == "cpu",
+        num_processes=n,
+        mixed_precision=mp,
+        strategy=strategy,
+        threads_per_process=threads,
+        launch=launch,
+        accelerator=accelerator,
+        notes=tuple(notes.items),
+        runtime=runtime,
+        request=req,
+    )

@@ -1,0 +1,362 @@
+"""Probe the runtime a notebook runs in, reading only: never initializes CUDA or poisons fork."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import math
+import os
+import platform as _platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = ["GPU", "Runtime", "probe", "cpu_budget", "ram_bytes"]
+
+PLATFORMS = ("colab", "kaggle", "binder", "vscode", "jupyter", "terminal", "python")
+VERSIONED = ("torch", "accelerate", "ipython", "ipykernel", "ipywidgets")
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One CUDA GPU as NVML or nvidia-smi describe it."""
+
+    index: int
+    name: str
+    memory_mib: int | None = None
+    capability: tuple[int, int] | None = None
+
+    def describe(self) -> str:
+        parts = [self.name]
+        if self.memory_mib:
+            parts.append(f"{self.memory_mib / 1024:.0f} GiB")
+        if self.capability:
+            parts.append(f"sm_{self.capability[0]}{self.capability[1]}")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What `probe()` found. Every field is plain data, so plans can be made from described runtimes."""
+
+    platform: str = "python"
+    shell: str = "none"
+    gpus: tuple[GPU, ...] = ()
+    gpu_source: str = "none"  # "nvml", "nvidia-smi" or "none" (no GPU, or none could be seen)
+    torch_cuda_archs: tuple[str, ...] | None = None  # None: not asked (no GPU) or unknown
+    tpu: str | None = None
+    torch_xla: bool = False
+    mps: bool = False
+    deepspeed: bool = False
+    cpu_budget: int = 1
+    cpu_count: int = 1
+    ram_bytes: int | None = None
+    cuda_initialized: bool = False
+    omp_num_threads: int | None = None
+    versions: tuple[tuple[str, str | None], ...] = field(default_factory=tuple)
+
+    @property
+    def version(self) -> dict[str, str | None]:
+        return dict(self.versions)
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+
+# --- platform -------------------------------------------------------------------------------
+
+
+def shell_kind(shell: Any) -> str:
+    """Name the IPython shell by its class path, never by importing google.colab."""
+    if shell is None:
+        return "none"
+    names = [f"{c.__module__}.{c.__qualname__}" for c in type(shell).__mro__]
+    if any(n.startswith("google.colab") for n in names):
+        return "colab"
+    for n in names:
+        if n.endswith("ZMQInteractiveShell"):
+            return "zmq"
+        if n.endswith("TerminalInteractiveShell"):
+            return "terminal"
+    return "interactive"
+
+
+def detect_platform(env: Mapping[str, str], shell: Any, user_ns: Mapping[str, Any] | None) -> str:
+    """Kaggle first (its images carry Colab's variables and package), then Colab, Binder, VS Code."""
+    kind = shell_kind(shell)
+    if env.get("KAGGLE_KERNEL_RUN_TYPE") or env.get("KAGGLE_URL_BASE"):
+        return "kaggle"
+    if kind == "colab" or env.get("COLAB_RELEASE_TAG"):
+        return "colab"
+    if any(env.get(k) for k in ("BINDER_REQUEST", "BINDER_LAUNCH_HOST", "BINDER_REPO_URL")):
+        return "binder"
+    if (user_ns is not None and "__vsc_ipynb_file__" in user_ns) or env.get("VSCODE_PID"):
+        if kind in ("zmq", "colab"):
+            return "vscode"
+    if kind == "zmq":
+        return "jupyter"
+    if kind in ("terminal", "interactive"):
+        return "terminal"
+    return "python"
+
+
+# --- CPU and memory -------------------------------------------------------------------------
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _cgroup_cpus(root: Path) -> float | None:
+    v2 = _read(root / "sys/fs/cgroup/cpu.max")
+    if v2:
+        quota, _, period = v2.partition(" ")
+        if quota != "max":
+            try:
+                return int(quota) / int(period or 100000)
+            except ValueError:
+                return None
+        return None
+    for d in ("sys/fs/cgroup/cpu", "sys/fs/cgroup/cpu,cpuacct"):
+        quota = _read(root / d / "cpu.cfs_quota_us")
+        period = _read(root / d / "cpu.cfs_period_us")
+        if quota and period:
+            try:
+                q, p = int(quota), int(period)
+            except ValueError:
+                return None
+            return q / p if q > 0 and p > 0 else None
+    return None
+
+
+def cpu_budget(env: Mapping[str, str], root: Path, affinity: int) -> int:
+    """The CPUs this process may use: min of affinity, cgroup quota and CPU_LIMIT, rounded down, >= 1."""
+    limits: list[float] = [affinity]
+    quota = _cgroup_cpus(root)
+    if quota:
+        limits.append(quota)
+    try:
+        if env.get("CPU_LIMIT"):
+            limits.append(float(env["CPU_LIMIT"]))
+    except ValueError:
+        pass
+    return max(1, math.floor(min(x for x in limits if x > 0)))
+
+
+def ram_bytes(root: Path) -> int | None:
+    """The smaller of the cgroup memory limit and MemTotal."""
+    values: list[int] = []
+    for rel in ("sys/fs/cgroup/memory.max", "sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        text = _read(root / rel)
+        if text and text.isdigit() and int(text) < 1 << 60:  # v1 reports "no limit" as a huge number
+            values.append(int(text))
+    meminfo = _read(root / "proc/meminfo") or ""
+    for line in meminfo.splitlines():
+        if line.startswith("MemTotal:"):
+            values.append(int(line.split()[1]) * 1024)
+    return min(values) if values else None
+
+
+def _affinity() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+# --- GPUs -----------------------------------------------------------------------------------
+
+
+def _visible(gpus: list[GPU], env: Mapping[str, str]) -> tuple[GPU, ...]:
+    """Apply CUDA_VISIBLE_DEVICES as CUDA would (indices; UUID forms leave NVML's list as it is)."""
+    spec = env.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        return tuple(gpus)
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if any(not p.lstrip("-").isdigit() for p in parts):
+        return tuple(gpus)
+    picked: list[GPU] = []
+    for part in parts:
+        idx = int(part)
+        if not 0 <= idx < len(gpus):
+            break  # CUDA stops at the first invalid entry
+        picked.append(replace(gpus[idx], index=len(picked)))
+    return tuple(picked)
+
+
+def gpus_from_nvml() -> list[GPU] | None:
+    """Describe GPUs through libnvidia-ml with ctypes; None when NVML is not there or fails."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+        gpus = []
+        for i in range(count.value):
+            handle = ctypes.c_void_p()
+            if nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) != 0:
+                return None
+            name = ctypes.create_string_buffer(96)
+            nvml.nvmlDeviceGetName(handle, name, 96)
+
+            class Memory(ctypes.Structure):
+                _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+            mem = Memory()
+            mib = mem.total // 2**20 if nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)) == 0 else None
+            major, minor = ctypes.c_int(), ctypes.c_int()
+            ok = nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) == 0
+            gpus.append(GPU(i, name.value.decode(errors="replace"), mib, (major.value, minor.value) if ok else None))
+        return gpus
+    finally:
+        nvml.nvmlShutdown()
+
+
+def gpus_from_nvidia_smi(timeout: float = 10.0) -> list[GPU] | None:
+    """Describe GPUs through nvidia-smi (argument list, time limit); None when absent or failing."""
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    for fields in ("index,name,memory.total,compute_cap", "index,name,memory.total"):
+        try:
+            out = subprocess.run(
+                [exe, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if out.returncode == 0:
+            break
+    else:
+        return None
+    gpus = []
+    for line in out.stdout.strip().splitlines():
+        cols = [c.strip() for c in line.split(",")]
+        if len(cols) < 2 or not cols[0].isdigit():
+            continue
+        mib = int(cols[2]) if len(cols) > 2 and cols[2].isdigit() else None
+        cap = None
+        if len(cols) > 3 and "." in cols[3]:
+            major, _, minor = cols[3].partition(".")
+            if major.isdigit() and minor.isdigit():
+                cap = (int(major), int(minor))
+        gpus.append(GPU(int(cols[0]), cols[1], mib, cap))
+    return gpus
+
+
+def torch_cuda_arch_list(timeout: float = 60.0) -> tuple[str, ...] | None:
+    """Ask `torch.cuda.get_arch_list()` in a subprocess: asking it here would poison every later fork."""
+    code = "import torch; print(' '.join(torch.cuda.get_arch_list()))"
+    env = dict(os.environ, PYTORCH_NVML_BASED_CUDA_CHECK="1")
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return tuple(out.stdout.split())
+
+
+def _tpu(env: Mapping[str, str], root: Path) -> str | None:
+    accel_type = env.get("TPU_ACCELERATOR_TYPE")
+    if accel_type:
+        return accel_type
+    if env.get("COLAB_TPU_1VM") or env.get("TPU_NAME") or (root / "dev/accel0").exists():
+        return "tpu"
+    return None
+
+
+# --- versions -------------------------------------------------------------------------------
+
+
+def _versions() -> tuple[tuple[str, str | None], ...]:
+    found: list[tuple[str, str | None]] = [("python", _platform.python_version())]
+    for dist in VERSIONED:
+        try:
+            found.append((dist, metadata.version(dist)))
+        except metadata.PackageNotFoundError:
+            found.append((dist, None))
+    return tuple(found)
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    return bool(cuda is not None and cuda.is_initialized())
+
+
+def _omp(env: Mapping[str, str]) -> int | None:
+    value = env.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def probe(
+    shell: Any = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    user_ns: Mapping[str, Any] | None = None,
+    root: Path | str = "/",
+    affinity: int | None = None,
+) -> Runtime:
+    """Describe this runtime. Reads only: no CUDA call, no torch import, no google.colab import.
+
+    ``env``, ``root`` (where /sys and /proc are read) and ``affinity`` exist so tests can
+    describe other machines; by default they are this process's.
+    """
+    env = os.environ if env is None else env
+    root = Path(root)
+    if user_ns is None and shell is not None:
+        user_ns = getattr(shell, "user_ns", None)
+    listed, source = gpus_from_nvml(), "nvml"
+    if listed is None:
+        listed, source = gpus_from_nvidia_smi(), "nvidia-smi"
+    if listed is None:
+        listed, source = [], "none"
+    found = _visible(listed, env)
+    archs = torch_cuda_arch_list() if found else None
+    aff = _affinity() if affinity is None else affinity
+    return Runtime(
+        platform=detect_platform(env, shell, user_ns),
+        shell=shell_kind(shell),
+        gpus=found,
+        gpu_source=source,
+        torch_cuda_archs=archs,
+        tpu=_tpu(env, root),
+        torch_xla=importlib.util.find_spec("torch_xla") is not None,
+        mps=sys.platform == "darwin" and _platform.machine() == "arm64",
+        deepspeed=importlib.util.find_spec("deepspeed") is not None,
+        cpu_budget=cpu_budget(env, root, aff),
+        cpu_count=os.cpu_count() or aff,
+        ram_bytes=ram_bytes(root),
+        cuda_initialized=_cuda_initialized(),
+        omp_num_threads=_omp(env),
+        versions=_versions(),
+    )
+
+
+def describe_gpus(gpus: Sequence[GPU]) -> str:
+    if not gpus:
+        return "none"
+    names = [g.name for g in gpus]
+    if len(set(names)) == 1:
+        return f"{len(gpus)} x {gpus[0].describe()}"
+    return "; ".join(g.describe() for g in gpus)

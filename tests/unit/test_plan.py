@@ -1,0 +1,210 @@
+"""make_plan as a decision table: one row per case, each id a sentence."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from accel_magic.plan import Plan, PlanError, Request, make_plan
+from accel_magic.runtime import GPU, Runtime
+
+CPU2 = Runtime(platform="jupyter", cpu_budget=2, cpu_count=2)
+CPU1 = Runtime(platform="binder", cpu_budget=1, cpu_count=64)
+T4 = GPU(0, "Tesla T4", 15360, (7, 5))
+A100 = GPU(0, "NVIDIA A100-SXM4-40GB", 40960, (8, 0))
+P100 = GPU(0, "Tesla P100-PCIE-16GB", 16384, (6, 0))
+CU128 = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
+CU124 = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")
+ONE_T4 = Runtime(platform="colab", gpus=(T4,), torch_cuda_archs=CU124, cpu_budget=2)
+TWO_T4 = Runtime(
+    platform="kaggle", gpus=(T4, GPU(1, T4.name, T4.memory_mib, T4.capability)), torch_cuda_archs=CU124, cpu_budget=4
+)
+A100_RT = Runtime(platform="jupyter", gpus=(A100,), torch_cuda_archs=CU128, cpu_budget=12)
+P100_CU128 = Runtime(platform="kaggle", gpus=(P100,), torch_cuda_archs=CU128, cpu_budget=4)
+GPU_CPU_TORCH = Runtime(platform="jupyter", gpus=(T4,), torch_cuda_archs=(), cpu_budget=4)
+TPU_XLA = Runtime(platform="colab", tpu="v5e-1", torch_xla=True, cpu_budget=8)
+TPU_NO_XLA = Runtime(platform="colab", tpu="v5e-1", torch_xla=False, cpu_budget=8)
+MPS = Runtime(platform="jupyter", mps=True, cpu_budget=8)
+
+FALLBACK = re.compile(r", so (training|mixed precision|the ranks)")
+
+# (id, runtime, request, expected fields, substring of a note or None)
+ROWS = [
+    ("no GPU gives gloo in CPU mode", CPU2, Request(), dict(device="cpu", backend="gloo", cpu=True), None),
+    ("GPUs give nccl", TWO_T4, Request(), dict(device="cuda", backend="nccl", cpu=False, num_processes=2), None),
+    (
+        "--cpu on a GPU machine gives gloo in CPU mode",
+        TWO_T4,
+        Request(cpu=True),
+        dict(device="cpu", backend="gloo", cpu=True),
+        None,
+    ),  # noqa: E501
+    (
+        "one process runs in the kernel",
+        CPU2,
+        Request(),
+        dict(num_processes=1, launch="kernel", threads_per_process=2),
+        None,
+    ),  # noqa: E501
+    (
+        "two CPU ranks split the CPU budget",
+        CPU2,
+        Request(num_processes=2),
+        dict(launch="fork", threads_per_process=1),
+        None,
+    ),  # noqa: E501
+    (
+        "two ranks on a 1-CPU budget are allowed for learning",
+        CPU1,
+        Request(num_processes=2),
+        dict(num_processes=2, threads_per_process=1),
+        "for learning distributed training, not for speed",
+    ),  # noqa: E501
+    (
+        "fp16 on CPU becomes full precision with a note",
+        CPU2,
+        Request(mixed_precision="fp16"),
+        dict(mixed_precision="no"),
+        "fp16 has no effect on the CPU",
+    ),  # noqa: E501
+    (
+        "fp8 on CPU becomes full precision with a note",
+        CPU2,
+        Request(mixed_precision="fp8"),
+        dict(mixed_precision="no"),
+        "fp8 has no effect on the CPU",
+    ),  # noqa: E501
+    ("bf16 on CPU is kept", CPU2, Request(mixed_precision="bf16"), dict(mixed_precision="bf16"), None),
+    (
+        "FSDP without CUDA falls back to DDP",
+        CPU2,
+        Request(strategy="fsdp", num_processes=2),
+        dict(strategy="ddp"),
+        "FSDP needs CUDA GPUs",
+    ),  # noqa: E501
+    (
+        "DeepSpeed without CUDA falls back to DDP",
+        CPU2,
+        Request(strategy="deepspeed"),
+        dict(strategy="ddp"),
+        "DeepSpeed needs CUDA GPUs",
+    ),  # noqa: E501
+    ("FSDP on GPUs is kept", TWO_T4, Request(strategy="fsdp"), dict(strategy="fsdp"), None),
+    (
+        "DeepSpeed on GPUs without the package falls back to DDP",
+        TWO_T4,
+        Request(strategy="deepspeed"),
+        dict(strategy="ddp"),
+        "DeepSpeed is not installed",
+    ),  # noqa: E501
+    ("TPU with torch_xla uses xla", TPU_XLA, Request(), dict(device="xla", backend="xla", cpu=False), None),
+    (
+        "TPU without torch_xla runs on CPU",
+        TPU_NO_XLA,
+        Request(),
+        dict(device="cpu", backend="gloo"),
+        "torch_xla is not installed",
+    ),  # noqa: E501
+    (
+        "fp16 on TPU becomes bf16",
+        TPU_XLA,
+        Request(mixed_precision="fp16"),
+        dict(mixed_precision="bf16"),
+        "TPUs compute in bf16",
+    ),  # noqa: E501
+    (
+        "P100 with a cu128 torch runs on CPU",
+        P100_CU128,
+        Request(),
+        dict(device="cpu", backend="gloo", cpu=True),
+        "cannot run the Tesla P100",
+    ),  # noqa: E501
+    ("a GPU with a CPU build of torch runs on CPU", GPU_CPU_TORCH, Request(), dict(device="cpu"), "CPU build"),
+    (
+        "one GPU builds the accelerator now and says fork launches need a restart",
+        ONE_T4,
+        Request(),
+        dict(accelerator="eager", launch="kernel"),
+        "kernel restart",
+    ),  # noqa: E501
+    (
+        "several GPUs build the accelerator on first use",
+        TWO_T4,
+        Request(),
+        dict(accelerator="lazy", launch="fork"),
+        "built on first use",
+    ),  # noqa: E501
+    (
+        "bf16 on a T4 becomes fp16",
+        ONE_T4,
+        Request(mixed_precision="bf16"),
+        dict(mixed_precision="fp16"),
+        "bf16 needs a GPU of compute capability 8.0",
+    ),  # noqa: E501
+    ("bf16 on an A100 is kept", A100_RT, Request(mixed_precision="bf16"), dict(mixed_precision="bf16"), None),
+    (
+        "fp8 on an A100 becomes bf16",
+        A100_RT,
+        Request(mixed_precision="fp8"),
+        dict(mixed_precision="bf16"),
+        "fp8 needs a GPU",
+    ),  # noqa: E501
+    ("MPS runs one process", MPS, Request(), dict(device="mps", backend=None, num_processes=1), None),
+    (
+        "OMP_NUM_THREADS set by the user wins",
+        Runtime(cpu_budget=8, omp_num_threads=3),
+        Request(num_processes=2),
+        dict(threads_per_process=3),
+        None,
+    ),  # noqa: E501
+]
+
+
+@pytest.mark.parametrize(("runtime", "request_", "expected", "note"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_decision(runtime: Runtime, request_: Request, expected: dict, note: str | None) -> None:
+    plan = make_plan(runtime, request_)
+    assert {k: getattr(plan, k) for k in expected} == expected
+    if note is None:
+        assert not [n for n in plan.notes if FALLBACK.search(n)], plan.notes
+    else:
+        assert any(note in n for n in plan.notes), plan.notes
+
+
+def test_requests_without_fallback_leave_no_notes() -> None:
+    assert make_plan(CPU2, Request(num_processes=2, mixed_precision="bf16")).notes == ()
+
+
+REFUSALS = [
+    ("more processes than GPUs suggests --cpu", ONE_T4, Request(num_processes=2), "add --cpu"),
+    ("FSDP on CPU under --strict", CPU2, Request(strategy="fsdp", strict=True), "use --strategy ddp"),
+    ("fp16 on CPU under --strict", CPU2, Request(mixed_precision="fp16", strict=True), "use --mixed-precision bf16"),
+    ("TPU without torch_xla under --strict", TPU_NO_XLA, Request(strict=True), "install torch_xla"),
+    ("unsupported GPU under --strict", P100_CU128, Request(strict=True), "add --cpu"),
+    ("several MPS processes", MPS, Request(num_processes=2), "add --cpu"),
+    ("zero processes", CPU2, Request(num_processes=0), "at least 1"),
+    ("unknown mixed precision", CPU2, Request(mixed_precision="fp17"), "must be one of"),
+    ("unknown strategy", CPU2, Request(strategy="zero3"), "must be one of"),
+]
+
+
+@pytest.mark.parametrize(("runtime", "request_", "says"), [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_refusal_is_one_sentence_saying_what_to_do(runtime: Runtime, request_: Request, says: str) -> None:
+    with pytest.raises(PlanError) as info:
+        make_plan(runtime, request_)
+    message = str(info.value)
+    assert says in message
+    assert "\n" not in message and message.endswith(".")
+
+
+def test_plan_is_frozen_and_carries_its_runtime() -> None:
+    plan = make_plan(CPU2)
+    assert isinstance(plan, Plan) and plan.runtime is CPU2
+    with pytest.raises(AttributeError):
+        plan.device = "cuda"  # type: ignore[misc]
+
+
+def test_plan_text_names_every_decision() -> None:
+    text = repr(make_plan(CPU1, Request(num_processes=2, mixed_precision="fp16")))
+    for word in ("platform", "binder", "gloo", "num_processes", "2, as forked ranks", "CPU budget", "notes:"):
+        assert word in text
