@@ -1,0 +1,50 @@
+"""%accel_setup in a real ipykernel, as JupyterLab, Colab or VS Code run it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from accel_magic.runtime import cpu_budget
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def test_setup_in_a_real_kernel_builds_cpu_accelerator_and_shows_one_panel(kernel_run) -> None:
+    cells = kernel_run(
+        "%load_ext accel_magic",
+        "%accel_setup",
+        "print(type(accelerator).__name__, accelerator.device.type)",
+        "import torch; print('cuda initialized:', torch.cuda.is_initialized())",
+    )
+    outputs = cells.outputs(1)
+    assert [o["output_type"] for o in outputs] == ["display_data"], outputs  # one panel, no Out[n]
+    data = outputs[0]["data"]
+    assert data[WIDGET_VIEW]["model_id"]
+    text = data["text/plain"]
+    expected_budget = cpu_budget(os.environ, Path("/"), len(os.sched_getaffinity(0)))
+    for line in ("platform         jupyter", "device           cpu", "backend          gloo"):
+        assert line in text, text
+    assert f"CPU budget       {expected_budget} " in text
+    assert "<table>" in data["text/html"] and "gloo" in data["text/html"]
+    assert cells.text(2).strip() == "Accelerator cpu"
+    assert cells.text(3).strip() == "cuda initialized: False"
+
+
+def test_assigned_setup_shows_the_panel_once_and_the_plan_shows_again_later(kernel_run) -> None:
+    cells = kernel_run("%load_ext accel_magic", "plan = %accel_setup", "plan", "p2 = %accel_setup --quiet")
+    assert [o["output_type"] for o in cells.outputs(1)] == ["display_data"]
+    assert [o["output_type"] for o in cells.outputs(2)] == ["display_data"]
+    assert "backend          gloo" in cells.outputs(2)[0]["data"]["text/plain"]
+    assert cells.outputs(3) == []
+
+
+def test_bad_input_in_a_kernel_is_one_line_without_traceback(kernel_run) -> None:
+    cells = kernel_run(
+        "%load_ext accel_magic", "keep = [1, 2]", "%accel_setup --name keep", "print(keep)", allow_errors=True
+    )
+    (err,) = cells.outputs(2)  # IPython shows a UsageError as one stderr line, without a traceback
+    assert (err["output_type"], err["name"]) == ("stream", "stderr")
+    expected = "`keep` already holds a list: pass --force to replace it, or choose another --name."
+    assert err["text"] == f"UsageError: {expected}\n"
+    assert cells.text(3).strip() == "[1, 2]"

@@ -1,0 +1,168 @@
+"""%load_ext / %accel_setup / %unload_ext in an InteractiveShell."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from IPython import get_ipython
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import start_ipython
+
+import accel_magic
+
+start_ipython()  # the test shell: a TerminalInteractiveShell that IPython's own tests use
+
+
+@pytest.fixture
+def ip():
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "accel_magic")
+    yield shell
+    shell.run_line_magic("unload_ext", "accel_magic")
+    for name in ("accelerator", "plan", "keep", "acc2"):
+        shell.user_ns.pop(name, None)
+
+
+def test_load_ext_imports_nothing_heavy_and_sets_nvml_check() -> None:
+    code = (
+        "import os, sys\n"
+        "os.environ.pop('PYTORCH_NVML_BASED_CUDA_CHECK', None)\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "ip = InteractiveShell.instance()\n"
+        "ip.run_line_magic('load_ext', 'accel_magic')\n"
+        "print(sorted(m for m in ('torch', 'accelerate', 'ipywidgets') if m in sys.modules))\n"
+        "print(os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK'))\n"
+        "print('accel_setup' in ip.magics_manager.magics['line'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:3] == ["[]", "1", "True"]
+
+
+def test_import_time_lists_no_heavy_module() -> None:
+    err = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import accel_magic"], capture_output=True, text=True, check=True
+    ).stderr
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in err.splitlines() if "|" in line}
+    assert "accel_magic" in imported
+    assert not imported & {"torch", "accelerate", "ipywidgets"}
+
+
+def test_user_setting_of_nvml_check_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    shell = get_ipython()
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "0")
+    shell.run_line_magic("load_ext", "accel_magic")
+    shell.run_line_magic("unload_ext", "accel_magic")
+    assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "0"
+
+
+def test_setup_builds_cpu_accelerator_and_returns_plan(ip) -> None:
+    ip.run_cell("plan = %accel_setup --quiet", store_history=False)
+    plan, acc = ip.user_ns["plan"], ip.user_ns["accelerator"]
+    assert (plan.device, plan.backend, plan.cpu) == ("cpu", "gloo", True)
+    assert acc.device.type == "cpu" and type(acc).__name__ == "Accelerator"
+    assert os.environ["USE_TORCH_XLA"] == "0"
+
+
+def test_setup_twice_with_other_options_resets_state_and_says_so(ip) -> None:
+    ip.run_line_magic("accel_setup", "--quiet")
+    plan = ip.run_line_magic("accel_setup", "--quiet --mixed-precision bf16")
+    assert ip.user_ns["accelerator"].mixed_precision == "bf16"
+    assert any("state was reset" in n for n in plan.notes)
+
+
+def test_stale_deepspeed_flag_is_removed(ip, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    plan = ip.run_line_magic("accel_setup", "--quiet")
+    assert "ACCELERATE_USE_DEEPSPEED" not in os.environ
+    assert any("ACCELERATE_USE_DEEPSPEED" in n for n in plan.notes)
+    assert ip.user_ns["accelerator"].device.type == "cpu"
+
+
+def test_config_sets_defaults(ip) -> None:
+    ip.run_line_magic("config", "AccelMagics.num_processes = 2")
+    ip.run_line_magic("config", "AccelMagics.mixed_precision = 'bf16'")
+    try:
+        plan = ip.run_line_magic("accel_setup", "--quiet")
+        assert (plan.num_processes, plan.mixed_precision, plan.launch) == (2, "bf16", "fork")
+        assert ip.run_line_magic("accel_setup", "--quiet -n 1").num_processes == 1
+    finally:
+        ip.run_line_magic("config", "AccelMagics.num_processes = None")
+        ip.run_line_magic("config", "AccelMagics.mixed_precision = None")
+
+
+def test_config_lists_the_options(ip, capsys) -> None:
+    ip.run_line_magic("config", "AccelMagics")
+    out = capsys.readouterr().out
+    for trait in ("num_processes", "cpu", "mixed_precision", "strategy", "strict", "name"):
+        assert f"AccelMagics.{trait}" in out
+
+
+def test_help_lists_the_options(ip) -> None:
+    doc = ip.find_line_magic("accel_setup").__doc__
+    for flag in ("--num-processes", "--cpu", "--mixed-precision", "--strategy", "--strict", "--name", "--force"):
+        assert flag in doc
+
+
+def test_name_and_force(ip) -> None:
+    ip.user_ns["keep"] = [1, 2]
+    with pytest.raises(UsageError, match="already holds a list"):
+        ip.run_line_magic("accel_setup", "--quiet --name keep")
+    assert ip.user_ns["keep"] == [1, 2]
+    ip.run_line_magic("accel_setup", "--quiet --name keep --force")
+    assert type(ip.user_ns["keep"]).__name__ == "Accelerator"
+
+
+def test_unload_removes_everything_and_reload_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    shell = get_ipython()
+    monkeypatch.delenv(accel_magic.NVML_CHECK, raising=False)
+    before_configurables = len(shell.configurables)
+    shell.run_line_magic("load_ext", "accel_magic")
+    assert shell.find_line_magic("accel_setup") is not None
+    shell.run_line_magic("unload_ext", "accel_magic")
+    assert shell.find_line_magic("accel_setup") is None
+    assert "AccelMagics" not in shell.magics_manager.registry
+    assert len(shell.configurables) == before_configurables
+    assert accel_magic.NVML_CHECK not in os.environ
+    shell.run_line_magic("load_ext", "accel_magic")
+    shell.run_line_magic("reload_ext", "accel_magic")
+    assert shell.find_line_magic("accel_setup") is not None
+    assert len([c for c in shell.configurables if type(c).__name__ == "AccelMagics"]) == 1
+    shell.run_line_magic("unload_ext", "accel_magic")
+
+
+BAD = [
+    ("unknown flag", "--bogus", "unrecognized arguments: --bogus"),
+    ("zero processes", "-n 0", "at least 1"),
+    ("negative processes", "-n -1", "at least 1"),
+    ("processes not a number", "-n abc", "at least 1"),
+    ("unknown mixed precision", "--mixed-precision fp17", "must be one of no, fp16, bf16, fp8"),
+    ("FSDP on CPU under --strict", "--strategy fsdp --strict", "use --strategy ddp"),
+    ("unknown strategy", "--strategy zero", "must be one of ddp, fsdp, deepspeed"),
+    ("name not an identifier", "--name 1abc", "Python identifier"),
+    ("name is a keyword", "--name class", "Python identifier"),
+    ("name holds a user's list", "--name keep", "pass --force"),
+]
+
+
+@pytest.mark.parametrize(("line", "says"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_is_one_sentence_and_loses_nothing(ip, line: str, says: str) -> None:
+    ip.user_ns["keep"] = ["precious"]
+    ip.user_ns["accelerator"] = sentinel = object.__new__(type("Accelerator", (), {"__module__": "accelerate.x"}))
+    before = dict(ip.user_ns)
+    with pytest.raises(UsageError) as info:
+        ip.run_line_magic("accel_setup", line)
+    message = str(info.value)
+    assert says in message
+    assert "\n" not in message and message.endswith(".")
+    assert ip.user_ns == before and ip.user_ns["accelerator"] is sentinel
+
+
+def test_bad_input_shows_no_traceback(ip, capsys) -> None:
+    result = ip.run_cell("%accel_setup -n abc", store_history=False)
+    captured = capsys.readouterr()
+    assert result.error_in_exec is not None
+    assert "Traceback" not in captured.out + captured.err
+    assert "UsageError: -n/--num-processes must be a whole number of at least 1, not 'abc'." in captured.err
