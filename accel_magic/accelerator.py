@@ -99,3 +99,31 @@ def build_accelerator(plan: Plan) -> Any:
     from accelerate import Accelerator
 
     return Accelerator(**accelerator_kwargs(plan))
+
+
+def rank_environment(plan: Plan) -> dict[str, str]:
+    """What a rank sets before anything reads it: CPU mode (accelerate 1.13+ otherwise lets every CPU rank
+    train alone), precision, threads (so ranks do not oversubscribe the cores), gloo on loopback."""
+    env = {
+        "ACCELERATE_MIXED_PRECISION": plan.mixed_precision,
+        "FORK_LAUNCHED": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
+    if plan.cpu:
+        env["ACCELERATE_USE_CPU"] = "true"
+    if plan.device != "xla":
+        env["USE_TORCH_XLA"] = "0"
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(plan.threads_per_process)
+    if plan.strategy == "fsdp":
+        env["ACCELERATE_USE_FSDP"] = "true"
+    elif plan.strategy == "deepspeed":
+        env["ACCELERATE_USE_DEEPSPEED"] = "true"
+    return env
+
+
+def rank_accelerator(plan: Plan) -> Any:
+    """The fresh Accelerator a launched rank gets (always built at once: the rank may use the device)."""
+    from accelerate import Accelerator
+
+    return Accelerator(**accelerator_kwargs(plan))

@@ -114,3 +114,79 @@ def show_plan(plan: Plan, by_magic: bool = False) -> None:
         _shown_by_magic = None
         return
     display(panel_bundle(plan), raw=True)
+
+
+# --- per-rank output ---------------------------------------------------------------------------------------------
+
+
+class RankLines:
+    """Assembles the bytes each rank writes to fds 1 and 2 into whole lines, so ranks never interleave
+    mid-line. Rank 0 passes through as is (a carriage-return progress bar stays live); lines from other
+    ranks are marked with the rank and keep only their last carriage-return segment."""
+
+    def __init__(self) -> None:
+        self._partial: dict[tuple[int, str], str] = {}
+        self._decoders: dict[tuple[int, str], Any] = {}
+
+    def feed(self, rank: int, stream: str, data: bytes) -> str:
+        import codecs
+
+        key = (rank, stream)
+        decoder = self._decoders.setdefault(key, codecs.getincrementaldecoder("utf-8")("replace"))
+        text = self._partial.pop(key, "") + decoder.decode(data)
+        if rank == 0:
+            cut = max(text.rfind("\n"), text.rfind("\r")) + 1
+        else:
+            cut = text.rfind("\n") + 1
+        ready, rest = text[:cut], text[cut:]
+        if rest:
+            self._partial[key] = rest
+        if rank == 0 or not ready:
+            return ready
+        return "".join(f"[rank {rank}] {line.rsplit(chr(13), 1)[-1]}\n" for line in ready.split("\n")[:-1])
+
+    def flush(self) -> list[tuple[int, str, str]]:
+        """What is left without a line end, once the ranks have ended."""
+        left = []
+        for (rank, stream), text in list(self._partial.items()):
+            del self._partial[(rank, stream)]
+            left.append((rank, stream, text if rank == 0 else f"[rank {rank}] {text.rsplit(chr(13), 1)[-1]}\n"))
+        return left
+
+
+def forward_kernel_message(message: dict[str, Any]) -> None:
+    """Publish on the kernel's IOPub a display or widget message that rank 0 sent, so `display()` and
+    `tqdm.auto` bars from the rank appear in the cell."""
+    from IPython import get_ipython
+
+    kernel = getattr(get_ipython(), "kernel", None)
+    if kernel is None:
+        return
+    sys_streams_flush()
+    kernel.session.send(kernel.iopub_socket, message.pop("msg_or_type"), **message)
+
+
+def sys_streams_flush() -> None:
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError):
+            pass
+
+
+def launch_banner(plan: Plan, timeout: float) -> str:
+    where = f"{plan.device} ({plan.backend})" if plan.backend else plan.device
+    threads = f", {plan.threads_per_process} thread{'s' if plan.threads_per_process != 1 else ''} each"
+    mp = f", mixed_precision {plan.mixed_precision}" if plan.mixed_precision != "no" else ""
+    return f"accel_train: {plan.num_processes} processes on {where}{threads}{mp}; collective timeout {timeout:g} s"
+
+
+def write_rank_text(rank: int, stream: str, text: str) -> None:
+    """Write a rank's assembled output to the cell, at once."""
+    import sys
+
+    out = sys.stderr if stream == "stderr" else sys.stdout
+    out.write(text)
+    out.flush()

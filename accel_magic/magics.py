@@ -7,12 +7,12 @@ from dataclasses import replace
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Enum, Int, TraitError, Unicode, validate
+from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, validate
 
 from .plan import MIXED_PRECISION, STRATEGIES, Plan, PlanError, Request, make_plan
-from .runtime import probe
+from .runtime import Runtime, probe
 
 __all__ = ["AccelMagics"]
 
@@ -50,6 +50,39 @@ def _parse(magic: Any, line: str, name: str) -> Any:
         raise UsageError(f"%{name}: {str(err).rstrip('.')}; see %{name}? for the options.") from None
 
 
+def _positive_float(value: str | None, option: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not number > 0 or number == float("inf"):
+        raise UsageError(f"{option} must be a number of seconds or megabytes above 0, not {value!r}.")
+    return number
+
+
+def _port(value: str | None) -> int | None:
+    if value is None:
+        return None
+    if not value.strip().isdigit() or not 1 <= int(value) <= 65535:
+        raise UsageError(f"--port must be a whole number from 1 to 65535, not {value!r}.")
+    return int(value)
+
+
+def plan_arguments(func: Any) -> Any:
+    """The options %accel_setup and %%accel_train share, spelled the same in both."""
+    for decorator in reversed(
+        [
+            argument("-n", "--num-processes", metavar="N", help="processes (ranks); default: 1 on CPU, one per GPU"),
+            argument("--cpu", action="store_true", help="use the CPU even where a GPU or TPU is present"),
+            argument("--mixed-precision", metavar="P", help="no, fp16, bf16 or fp8"),
+        ]
+    ):
+        func = decorator(func)
+    return func
+
+
 @magics_class
 class AccelMagics(Magics):
     """Magics that probe the runtime, decide a plan and build a CPU-safe `accelerator`.
@@ -67,10 +100,17 @@ class AccelMagics(Magics):
     strategy = Enum(STRATEGIES, "ddp", help="Distributed strategy: ddp, fsdp or deepspeed.").tag(config=True)
     strict = Bool(False, help="Refuse instead of falling back when a request cannot be honoured.").tag(config=True)
     name = Unicode("accelerator", help="Name of the Accelerator variable in the notebook.").tag(config=True)
+    timeout = Float(
+        900.0,
+        help="Seconds a collective (all-reduce, barrier) may wait for the other ranks before the launch fails. "
+        "Long enough for rank 0 to evaluate while the others wait at a barrier.",
+    ).tag(config=True)
+    max_return_mb = Float(1024.0, help="Limit, in MB, on what rank 0 sends back to the notebook.").tag(config=True)
 
     def __init__(self, shell: Any = None, **kwargs: Any):
         super().__init__(shell=shell, **kwargs)
         self.plan: Plan | None = None
+        self.accelerator_name = self.name
 
     @validate("num_processes")
     def _check_num_processes(self, proposal: Any) -> Any:
@@ -104,27 +144,10 @@ class AccelMagics(Magics):
             raise UsageError(f"`{name}` already holds a {kind}: pass --force to replace it, or choose another --name.")
         return name
 
-    @magic_arguments()
-    @argument("-n", "--num-processes", metavar="N", help="processes (ranks); default: 1 on CPU, one per GPU")
-    @argument("--cpu", action="store_true", help="use the CPU even where a GPU or TPU is present")
-    @argument("--mixed-precision", metavar="P", help="no, fp16, bf16 or fp8")
-    @argument("--strategy", metavar="S", help="ddp, fsdp or deepspeed")
-    @argument("--strict", action="store_true", help="refuse instead of falling back")
-    @argument("--name", metavar="NAME", help="variable for the Accelerator (default: accelerator)")
-    @argument("--force", action="store_true", help="replace a variable of that name that is not an Accelerator")
-    @argument("--quiet", action="store_true", help="do not show the panel")
-    @line_magic
-    def accel_setup(self, line: str = "") -> Plan:
-        """Probe the runtime, decide a plan, build a CPU-safe Accelerator and show the panel.
-
-        Returns the plan, so `plan = %accel_setup` works.
-        """
+    def _setup(self, request: Request, name: str, quiet: bool, runtime: Runtime | None = None) -> Plan:
         from .accelerator import SetupError, build_accelerator, prepare_environment, reset_state
 
-        args = _parse(self.accel_setup, line, "accel_setup")
-        request = self._request(args)
-        name = self._target_name(args)
-        runtime = probe(self.shell)
+        runtime = runtime or probe(self.shell)
         try:
             plan = make_plan(runtime, request)
             notes = prepare_environment(plan)
@@ -141,11 +164,161 @@ class AccelMagics(Magics):
             raise UsageError(f"accelerate could not build the Accelerator: {err}") from None
         self.shell.user_ns[name] = accelerator
         plan = replace(plan, notes=plan.notes + tuple(notes))
-        self.plan = plan
+        self.plan, self.accelerator_name = plan, name
         from .display import mark_shown, show_plan
 
-        if args.quiet:
+        if quiet:
             mark_shown(plan)
         else:
             show_plan(plan, by_magic=True)
         return plan
+
+    @magic_arguments()
+    @plan_arguments
+    @argument("--strategy", metavar="S", help="ddp, fsdp or deepspeed")
+    @argument("--strict", action="store_true", help="refuse instead of falling back")
+    @argument("--name", metavar="NAME", help="variable for the Accelerator (default: accelerator)")
+    @argument("--force", action="store_true", help="replace a variable of that name that is not an Accelerator")
+    @argument("--quiet", action="store_true", help="do not show the panel")
+    @line_magic
+    def accel_setup(self, line: str = "") -> Plan:
+        """Probe the runtime, decide a plan, build a CPU-safe Accelerator and show the panel.
+
+        Returns the plan, so `plan = %accel_setup` works.
+        """
+        args = _parse(self.accel_setup, line, "accel_setup")
+        request = self._request(args)
+        name = self._target_name(args)
+        return self._setup(request, name, args.quiet)
+
+    @magic_arguments()
+    @plan_arguments
+    @argument("--timeout", metavar="S", help="seconds a collective may wait for the other ranks (default 900)")
+    @argument("--port", metavar="P", help="rendezvous port on 127.0.0.1 (default: a free one)")
+    @argument("--no-return", action="store_true", help="bring nothing back to the notebook")
+    @argument("--return", dest="returns", metavar="NAMES", help="bring back only these names (comma-separated)")
+    @argument("--max-return-mb", metavar="MB", help="limit on what comes back (default 1024)")
+    @cell_magic
+    def accel_train(self, line: str, cell: str) -> None:
+        """Run the cell as N ranks (forked processes forming one process group) and bring rank 0's results
+        back: the names the cell binds, and the trained weights of models it passed through
+        accelerator.prepare, loaded into the notebook's own objects.
+
+        `-n 1` on CPU or one GPU runs in the kernel like a normal cell. Names bound dynamically (exec,
+        globals()[...]) are not seen by --return.
+        """
+        from .cell import CellError, compile_cell
+
+        args = _parse(self.accel_train, line, "accel_train")
+        timeout = _positive_float(args.timeout, "--timeout") or self.timeout
+        max_mb = _positive_float(args.max_return_mb, "--max-return-mb") or self.max_return_mb
+        port = _port(args.port)
+        request = self._train_request(args)
+        try:
+            code = compile_cell(cell, self.shell.transform_cell)
+            runtime = self.plan.runtime if self.plan is not None else probe(self.shell)
+            plan = make_plan(runtime, request)
+        except (PlanError, CellError) as err:
+            raise UsageError(str(err)) from None
+        returns = _returns(args, code.bound)
+        if plan.launch == "kernel":
+            if self.plan is None or self.plan.request != request:
+                self._setup(request, self.accelerator_name, quiet=True, runtime=runtime)
+            self._run_in_kernel(cell)
+            return
+        self._run_ranks(code, plan, returns, timeout, port, int(max_mb * 2**20))
+
+    def _train_request(self, args: Any) -> Request:
+        base = self.plan.request if self.plan is not None else Request()
+        n = _positive_int(args.num_processes, "-n/--num-processes")
+        mp = _choice(args.mixed_precision, MIXED_PRECISION, "--mixed-precision")
+        return replace(
+            base,
+            num_processes=n if n is not None else (base.num_processes or self.num_processes),
+            cpu=args.cpu or base.cpu or self.cpu,
+            mixed_precision=mp or base.mixed_precision or self.mixed_precision,
+        )
+
+    def _run_in_kernel(self, cell: str) -> None:
+        import time
+
+        from .launch import LaunchOutcome
+
+        start = time.perf_counter()
+        result = self.shell.run_cell(cell, store_history=False)
+        outcome = LaunchOutcome(1, time.perf_counter() - start, {0: 0 if result.success else 1})
+        if result.success:
+            self.shell.user_ns["accel_result"] = outcome
+
+    def _run_ranks(
+        self, code: Any, plan: Plan, returns: tuple[str, ...], timeout: float, port: int | None, max_bytes: int
+    ) -> None:
+        import pickle
+        from functools import partial
+
+        from .accelerator import rank_accelerator, rank_environment
+        from .cell import rank_body, unpack_results
+        from .display import forward_kernel_message, launch_banner, write_rank_text
+        from .launch import check_port, cuda_fork_ok, launch, launch_error
+
+        if port is not None and not check_port(port):
+            raise UsageError(f"Port {port} is in use: choose another with --port, or leave --port out.")
+        if plan.device == "cuda" and not cuda_fork_ok():
+            raise UsageError(
+                "CUDA is already initialized in this kernel, so GPU ranks cannot be forked: restart the kernel, "
+                "run %accel_setup first and keep CUDA work inside %%accel_train cells."
+            )
+        ns = self.shell.user_ns
+        notebook_ids = {id(v): k for k, v in ns.items() if not k.startswith("_")}
+        body = rank_body(
+            code,
+            ns,
+            make_accelerator=partial(rank_accelerator, plan),
+            name=self.accelerator_name,
+            returns=returns,
+            notebook_ids=notebook_ids,
+            max_bytes=max_bytes,
+        )
+        print(launch_banner(plan, timeout))
+        outcome = launch(
+            body,
+            plan.num_processes,
+            backend=plan.backend or "gloo",
+            threads=plan.threads_per_process,
+            timeout=timeout,
+            env=rank_environment(plan),
+            cell_filename=code.filename,
+            on_text=write_rank_text,
+            on_message=forward_kernel_message,
+            port=port,
+        )
+        del body, notebook_ids
+        if outcome.interrupted:
+            raise KeyboardInterrupt
+        if not outcome.ok:
+            raise launch_error(outcome, timeout)
+        apply, skipped = unpack_results(pickle.loads(outcome.payload), ns) if outcome.payload else (None, [])
+        outcome.skipped = tuple(skipped)
+        if apply is not None:
+            apply()
+        ns["accel_result"] = outcome
+        if skipped:
+            listed = "; ".join(f"{name} ({reason})" for name, reason in skipped)
+            print(f"Not brought back to the notebook: {listed}.")
+
+
+def _returns(args: Any, bound: tuple[str, ...]) -> tuple[str, ...]:
+    if args.no_return:
+        if args.returns is not None:
+            raise UsageError("--return and --no-return contradict each other: use one of them.")
+        return ()
+    if args.returns is None:
+        return bound
+    names = tuple(n for n in args.returns.replace(",", " ").split() if n)
+    missing = [n for n in names if n not in bound]
+    if missing:
+        raise UsageError(
+            f"--return names {', '.join(missing)}, which the cell never binds: "
+            f"choose among {', '.join(bound) or 'nothing (the cell binds no names)'}."
+        )
+    return names

@@ -1,0 +1,321 @@
+"""A cell's source as code: compiling it with its own line numbers, the names it binds, and packing its
+results in a rank so the notebook can take them back."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import itertools
+import linecache
+import pickle
+import types
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import CodeType
+from typing import Any
+
+__all__ = ["CellError", "CellCode", "compile_cell", "top_level_names", "Packed", "pack_results", "unpack_results"]
+
+_counter = itertools.count(1)
+
+
+class CellError(ValueError):
+    """The cell cannot run; the message is one sentence saying what to do."""
+
+
+@dataclass(frozen=True)
+class CellCode:
+    source: str
+    filename: str
+    code: CodeType
+    bound: tuple[str, ...]
+
+
+class _Bindings(ast.NodeVisitor):
+    """Names bound at the cell's top level (not inside functions, classes, lambdas or comprehensions)."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, None] = {}
+
+    def add(self, name: str) -> None:
+        if not (name == "_" or (name.startswith("__") and name.endswith("__"))):
+            self.names.setdefault(name, None)
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Store):
+            self.add(node.id)
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        self.add(node.name)
+        for deco in node.decorator_list:
+            self.visit(deco)
+
+    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self.add(node.name)
+        for deco in node.decorator_list:
+            self.visit(deco)
+
+    def visit_Lambda(self, node: ast.Lambda) -> None:
+        pass
+
+    def _comprehension(self, node: ast.AST) -> None:
+        for gen in getattr(node, "generators", []):
+            self.visit(gen.iter)  # only the walrus in the outermost iterable can bind at top level
+
+    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _comprehension  # type: ignore[assignment]
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self.add(alias.asname or alias.name.split(".")[0])
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        for alias in node.names:
+            if alias.name != "*":
+                self.add(alias.asname or alias.name)
+
+    def visit_ExceptHandler(self, node: ast.ExceptHandler) -> None:
+        if node.name:
+            self.add(node.name)
+        self.generic_visit(node)
+
+    def visit_MatchAs(self, node: Any) -> None:
+        if node.name:
+            self.add(node.name)
+        self.generic_visit(node)
+
+    def visit_MatchStar(self, node: Any) -> None:
+        if node.name:
+            self.add(node.name)
+
+
+def top_level_names(tree: ast.Module) -> tuple[str, ...]:
+    """Names the cell binds at top level, in order of first binding. Dynamic bindings (exec, globals()[...])
+    are not seen."""
+    visitor = _Bindings()
+    for stmt in tree.body:
+        visitor.visit(stmt)
+    return tuple(visitor.names)
+
+
+def _is_blank(source: str) -> bool:
+    return all(not line.strip() or line.lstrip().startswith("#") for line in source.splitlines())
+
+
+def compile_cell(raw: str, transform: Callable[[str], str] = lambda s: s) -> CellCode:
+    """Transform (magics, ! lines) and compile the cell body, with its source in linecache so tracebacks
+    show the cell's lines. Raises CellError before anything runs."""
+    if "\x00" in raw:
+        raise CellError("The cell contains a NUL character: remove it and run the cell again.")
+    try:
+        raw.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CellError("The cell contains text that is not valid Unicode (a lone surrogate): retype it.") from None
+    if _is_blank(raw):
+        raise CellError("The cell is empty: put the training code below the %%accel_train line.")
+    source = transform(raw)
+    filename = f"<accel_train cell {next(_counter)}>"
+    try:
+        tree = ast.parse(source, filename)
+        code = compile(tree, filename, "exec")
+    except SyntaxError as err:
+        if "await" in (err.msg or ""):
+            raise CellError(
+                "Top-level await is not supported in %%accel_train: put the code in a function and call it."
+            ) from None
+        where = f"cell line {err.lineno}" if err.lineno else "the cell"
+        text = f" ({err.text.strip()})" if err.text and err.text.strip() else ""
+        raise CellError(f"Syntax error at {where}{text}: {err.msg}; nothing was launched.") from None
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    return CellCode(source, filename, code, top_level_names(tree))
+
+
+# --- results -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Packed:
+    """What rank 0 sends back: per name an action and its pickled payload, plus what could not come."""
+
+    items: tuple[tuple[str, str, str | None, bytes], ...]  # (name, action, notebook name, payload)
+    skipped: tuple[tuple[str, str], ...]  # (name, reason)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for *_, p in self.items)
+
+    def biggest(self, k: int = 3) -> list[tuple[str, int]]:
+        return sorted(((n, len(p)) for n, _, _, p in self.items), key=lambda x: -x[1])[:k]
+
+
+def _to_cpu(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, torch.nn.Module):
+        return value.to("cpu")
+    if isinstance(value, dict):
+        return type(value)((k, _to_cpu(v)) for k, v in value.items()) if type(value) is dict else value
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _reason(err: BaseException) -> str:
+    text = str(err).splitlines()[0] if str(err) else ""
+    return f"{type(err).__name__}: {text}"[:120] if text else type(err).__name__
+
+
+def pack_results(
+    ns: Mapping[str, Any],
+    names: Iterable[str],
+    prepared: Mapping[int, Any],
+    notebook_ids: Mapping[int, str],
+) -> Packed:
+    """Pack rank 0's results.
+
+    ``prepared`` maps id(what accelerator.prepare returned) to what it was given; ``notebook_ids`` maps
+    id(object) to its name in the notebook before the launch (fork keeps identities). Models and optimizers
+    that came from the notebook go back as state to load into the notebook's own objects; dataloaders and
+    schedulers from the notebook stay as they were; everything else is moved to the CPU and pickled.
+    """
+    import torch
+
+    items: list[tuple[str, str, str | None, bytes]] = []
+    skipped: list[tuple[str, str]] = []
+    for name in names:
+        if name not in ns:
+            continue
+        value = ns[name]
+        if type(value).__name__ in ("Accelerator", "LazyAccelerator"):
+            continue
+        if isinstance(value, types.ModuleType):
+            items.append((name, "import", value.__name__, b""))
+            continue
+        original = prepared.get(id(value), value)
+        home = notebook_ids.get(id(original))
+        try:
+            if home is not None and isinstance(original, torch.nn.Module):
+                items.append((name, "load_state", home, pickle.dumps(_to_cpu(original.state_dict()))))
+            elif home is not None and isinstance(original, torch.optim.Optimizer):
+                items.append((name, "load_state", home, pickle.dumps(_to_cpu(original.state_dict()))))
+            elif home is not None and original is not value:
+                items.append((name, "keep", home, b""))  # the notebook's own dataloader or scheduler
+            else:
+                items.append((name, "value", None, pickle.dumps(_to_cpu(original), protocol=pickle.HIGHEST_PROTOCOL)))
+        except Exception as err:
+            skipped.append((name, _reason(err)))
+    return Packed(tuple(items), tuple(skipped))
+
+
+def unpack_results(packed: Packed, ns: Mapping[str, Any]) -> tuple[Callable[[], None], list[tuple[str, str]]]:
+    """Decide everything the notebook will take, without changing it. Returns (apply, skipped): apply()
+    makes every change at once."""
+    updates: dict[str, Any] = {}
+    loads: list[tuple[Any, Any]] = []
+    skipped = list(packed.skipped)
+    for name, action, home, payload in packed.items:
+        try:
+            if action == "keep":
+                updates[name] = ns[home]
+            elif action == "import":
+                updates[name] = importlib.import_module(home)
+            elif action == "load_state":
+                target = ns[home]
+                state = pickle.loads(payload)
+                _check_state(target, state)
+                loads.append((target, state))
+                updates[name] = target
+            else:
+                updates[name] = pickle.loads(payload)
+        except Exception as err:
+            skipped.append((name, _reason(err)))
+
+    def apply() -> None:
+        for target, state in loads:
+            target.load_state_dict(state)
+        for key, value in updates.items():
+            ns[key] = value  # type: ignore[index]
+
+    return apply, skipped
+
+
+def _check_state(target: Any, state: Mapping[str, Any]) -> None:
+    """Refuse a state that would fail half-way through load_state_dict."""
+    import torch
+
+    if isinstance(target, torch.nn.Module):
+        mine = target.state_dict()
+        if set(mine) != set(state):
+            raise ValueError("the model's parameters changed shape or names in the cell")
+        for key, tensor in state.items():
+            if getattr(mine[key], "shape", None) != getattr(tensor, "shape", None):
+                raise ValueError(f"{key} changed shape in the cell")
+    elif isinstance(target, torch.optim.Optimizer):
+        if len(target.param_groups) != len(state.get("param_groups", ())):
+            raise ValueError("the optimizer's parameter groups changed in the cell")
+
+
+class ResultsTooLarge(Exception):
+    """Rank 0's results exceed the limit; the message names the biggest."""
+
+    no_traceback = True
+
+
+def _track_prepare(prepared: dict[int, Any]) -> None:
+    """Remember what each accelerator.prepare call was given, by the id of what it returned (rank only)."""
+    from accelerate import Accelerator
+
+    original = Accelerator.prepare
+    if getattr(original, "_accel_magic", False):
+        original = original.__wrapped__
+
+    def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        outputs = result if isinstance(result, tuple) else (result,)
+        for given, returned in zip(args, outputs, strict=False):
+            prepared[id(returned)] = given
+            prepared.setdefault(id(given), given)
+            _keep.append((given, returned))  # ids stay valid while the rank lives
+        return result
+
+    prepare.__wrapped__ = original  # type: ignore[attr-defined]
+    prepare._accel_magic = True  # type: ignore[attr-defined]
+    Accelerator.prepare = prepare  # type: ignore[method-assign]
+
+
+_keep: list[Any] = []
+
+
+def rank_body(
+    cell: CellCode,
+    ns: dict[str, Any],
+    *,
+    make_accelerator: Callable[[], Any],
+    name: str,
+    returns: tuple[str, ...],
+    notebook_ids: Mapping[int, str],
+    max_bytes: int,
+) -> Callable[[int], bytes | None]:
+    """The function each rank runs: a fresh accelerator, the cell in the rank's copy of the namespace, and on
+    rank 0 the packed results."""
+
+    def body(rank: int) -> bytes | None:
+        prepared: dict[int, Any] = {}
+        _track_prepare(prepared)
+        ns[name] = make_accelerator()
+        exec(cell.code, ns)
+        if rank != 0 or not returns:
+            return None
+        packed = pack_results(ns, returns, prepared, notebook_ids)
+        if packed.nbytes > max_bytes:
+            biggest = ", ".join(f"{n} {size / 2**20:.1f} MB" for n, size in packed.biggest())
+            raise ResultsTooLarge(
+                f"rank 0's results total {packed.nbytes / 2**20:.1f} MB, over the {max_bytes / 2**20:.0f} MB limit "
+                f"(biggest: {biggest}): return fewer names with --return, use --no-return, or raise --max-return-mb"
+            )
+        return pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
+
+    return body

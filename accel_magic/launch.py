@@ -1,0 +1,559 @@
+"""Run a function as N forked ranks under torch's elastic agent: ports, environment, threads, per-rank
+output, results, errors and cleanup."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = ["LaunchError", "RankFailure", "LaunchOutcome", "launch", "free_port", "check_port", "cuda_fork_ok"]
+
+# Errors a rank raises because another rank died first: never the root cause.
+COLLATERAL = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "socket closed",
+    "recv operation",  # gloo: the peer vanished mid-collective
+    "ranks did not reach",
+)
+TIMED_OUT = ("timed out", "timeout")
+SIGNALS_KEPT = [s for s in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGINT") if hasattr(signal, s)]
+ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+
+
+class LaunchError(Exception):
+    """A launch that failed; shows one short traceback naming the rank where it started."""
+
+    def __init__(self, headline: str, details: str = "", outcome: LaunchOutcome | None = None):
+        super().__init__(headline)
+        self.headline = headline
+        self.details = details
+        self.outcome = outcome
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self.headline}"]
+        if self.details:
+            lines += self.details.rstrip("\n").split("\n")
+        return lines
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """A rank's failure as plain data (no exception object, which would keep the launch alive)."""
+
+    rank: int
+    exitcode: int | None
+    kind: str  # "exception", "exit", "signal", "collateral", "timeout"
+    summary: str
+    traceback: str = ""
+    when: float | None = None
+
+
+@dataclass
+class LaunchOutcome:
+    num_processes: int
+    wall_time: float = 0.0
+    exitcodes: dict[int, int | None] = field(default_factory=dict)
+    durations: dict[int, float] = field(default_factory=dict)
+    failures: list[RankFailure] = field(default_factory=list)
+    payload: bytes | None = None
+    interrupted: bool = False
+    agent_error: str = ""
+    skipped: tuple[tuple[str, str], ...] = ()
+
+    def __repr__(self) -> str:
+        status = "ok" if self.ok else ("interrupted" if self.interrupted else "failed")
+        ranks = ", ".join(
+            f"rank {r}: exit {c}" + (f" after {self.durations[r]:.2f} s" if r in self.durations else "")
+            for r, c in sorted(self.exitcodes.items())
+        )
+        return f"<accel_train {status}: {self.num_processes} processes, wall time {self.wall_time:.2f} s; {ranks}>"
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures and not self.interrupted and not self.agent_error
+
+    def root_cause(self) -> RankFailure | None:
+        """The rank where the failure started: an exception, exit or kill before any collateral error."""
+        if not self.failures:
+            return None
+        order = {"exception": 0, "exit": 0, "signal": 0, "timeout": 1, "collateral": 2}
+        return min(self.failures, key=lambda f: (order[f.kind], f.when if f.when is not None else 0.0, f.rank))
+
+
+# --- ports and fork checks ---------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, chosen now (never the fixed 29500 that one failed launch poisons)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_port(port: int) -> bool:
+    """True when the port can be bound on loopback now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def cuda_fork_ok() -> bool:
+    """Whether a forked child could still use CUDA: a throw-away fork asks torch (initialized or poisoned
+    parents make it a bad fork, which the parent itself cannot see)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return True
+    if torch.cuda.is_initialized():
+        return False
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the throw-away child
+        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+# --- what runs in a rank -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pipes:
+    out: list[tuple[int, int]]
+    err: list[tuple[int, int]]
+    msg: tuple[int, int]
+
+    def all_fds(self) -> list[int]:
+        return [fd for pair in self.out + self.err + [self.msg] for fd in pair]
+
+
+def _frame(obj: Any) -> bytes:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return struct.pack("!I", len(data)) + data
+
+
+def _forward_kernel_messages(rank: int, msg_fd: int) -> None:
+    """In a rank, the kernel's session cannot send (fork check, dead IOPub thread). Rank 0's IOPub messages
+    (displays, widgets such as tqdm.auto bars) go to the parent through a pipe; other ranks' are dropped."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    kernel = getattr(get_ipython(), "kernel", None)
+    session = getattr(kernel, "session", None)
+    if session is None:
+        return
+    iopub = getattr(kernel, "iopub_socket", None)
+
+    def send(stream: Any, msg_or_type: Any, content: Any = None, parent: Any = None, ident: Any = None,
+             buffers: Any = None, track: bool = False, header: Any = None, metadata: Any = None) -> Any:  # fmt: skip
+        if rank != 0 or stream is not iopub:
+            return None
+        message = {"msg_or_type": msg_or_type, "content": content, "parent": parent, "ident": ident,
+                   "buffers": [bytes(b) for b in buffers or []], "header": header, "metadata": metadata}  # fmt: skip
+        with contextlib.suppress(Exception):
+            os.write(msg_fd, _frame(message))
+        return None
+
+    session.send = send
+
+
+def _render_rank_traceback(err: BaseException, cell_filename: str) -> str:
+    """The rank's traceback from the cell's first frame on (our own frames are noise to the user)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    start = next((i for i, f in enumerate(frames) if f.filename == cell_filename), None)
+    kept = frames[start:] if start is not None else frames[-1:]
+    lines = ["Traceback (most recent call last):\n"]
+    for f in kept:
+        where = f"Cell line {f.lineno}" if f.filename == cell_filename else f'File "{f.filename}", line {f.lineno}'
+        lines.append(f"  {where}, in {f.name}\n")
+        if f.line:
+            lines.append(f"    {f.line.strip()}\n")
+    lines += traceback.format_exception_only(type(err), err)
+    return "".join(lines)
+
+
+def _classify(err: BaseException) -> str:
+    text = str(err).lower()
+    if any(t in text for t in TIMED_OUT):
+        return "timeout"
+    if any(t in text for t in COLLATERAL):
+        return "collateral"
+    return "exception"
+
+
+class _Rank:
+    """Everything a rank needs, inherited through fork."""
+
+    def __init__(self, body: Callable[[int], bytes | None], pipes: _Pipes, workdir: str, env: dict[str, str],
+                 threads: int, backend: str, timeout: float, cell_filename: str, listen_fds: list[int]):  # fmt: skip
+        self.body, self.pipes, self.workdir, self.env = body, pipes, workdir, env
+        self.threads, self.backend, self.timeout, self.cell_filename = threads, backend, timeout, cell_filename
+        self.listen_fds = listen_fds
+
+    def path(self, kind: str, rank: int) -> str:
+        return os.path.join(self.workdir, f"{kind}-{rank}")
+
+    def _write(self, kind: str, rank: int, obj: Any) -> None:
+        tmp = self.path(kind, rank) + ".tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, self.path(kind, rank))
+
+    def _redirect(self, rank: int) -> None:
+        os.dup2(self.pipes.out[rank][1], 1)
+        os.dup2(self.pipes.err[rank][1], 2)
+        msg_w = os.dup(self.pipes.msg[1]) if rank == 0 else -1
+        for fd in self.pipes.all_fds() + self.listen_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        # Fresh streams on the new fds: the kernel's stream objects hold locks its threads may have held at fork.
+        sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+        _forward_kernel_messages(rank, msg_w)
+
+    def __call__(self) -> None:
+        rank = int(os.environ.get("RANK", "0"))
+        start = time.time()
+        try:
+            self._redirect(rank)
+            os.environ.update(self.env)
+            exit_code = self._run(rank, start)
+        except BaseException:  # the rank must never unwind into the kernel's code
+            exit_code = 70
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        if exit_code:
+            os._exit(exit_code)
+
+    def _run(self, rank: int, start: float) -> int:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        try:
+            self._reset_accelerate()
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group(self.backend, timeout=timedelta(seconds=self.timeout))
+            payload = self.body(rank)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if code == 0:
+                self._write("status", rank, {"duration": time.time() - start})
+                return 0
+            summary = f"called sys.exit({exc.code!r})"
+            self._write("error", rank, RankFailure(rank, code, "exit", summary, "", time.time()))
+            return code
+        except BaseException as err:
+            kind = "exception" if isinstance(err, KeyboardInterrupt) else _classify(err)
+            first = str(err).splitlines()[0] if str(err) else ""
+            summary = f"{type(err).__name__}: {first}" if first else type(err).__name__
+            tb = "" if getattr(err, "no_traceback", False) else _render_rank_traceback(err, self.cell_filename)
+            self._write("error", rank, RankFailure(rank, 1, kind, summary, tb, time.time()))
+            return 1
+        if payload is not None:
+            with open(self.path("results", rank), "wb") as f:
+                f.write(payload)
+        self._write("status", rank, {"duration": time.time() - start})
+        return 0
+
+    @staticmethod
+    def _reset_accelerate() -> None:
+        """State copied from the notebook (an Accelerator or PartialState made in the kernel) would make the
+        rank believe it trains alone."""
+        if "accelerate" in sys.modules:
+            from accelerate.state import AcceleratorState, GradientState
+
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+
+
+# --- the parent's side -------------------------------------------------------------------------------------------
+
+
+def _launch_config(nprocs: int, port: int, log_dir: str, monitor: float) -> Any:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    names = {f.name for f in fields(LaunchConfig)}
+    kwargs: dict[str, Any] = dict(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=f"accel_magic_{os.getpid()}_{port}",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_backend="static",
+        rdzv_configs={"rank": 0, "timeout": 60},
+        max_restarts=0,
+        monitor_interval=monitor,
+        start_method="fork",
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+    )
+    if "shutdown_timeout" in names:
+        kwargs["shutdown_timeout"] = 2  # a rank that ignores SIGTERM is killed after 2 s, not 30
+    numa = "numa_options" in names
+    if numa:  # an explicit value stops LaunchConfig from asking CUDA in the kernel
+        from torch.numa.binding import AffinityMode, NumaOptions
+
+        kwargs["numa_options"] = NumaOptions(AffinityMode.NODE)
+    config = LaunchConfig(**kwargs)
+    if numa:
+        config.numa_options = None
+    return config
+
+
+def _run_agent(config: Any, entry: Callable[[], None], outcome: LaunchOutcome) -> None:
+    """The elastic agent, in a thread of its own: it then installs no signal handlers in the kernel, and the
+    kernel's main thread stays free to relay output and take interrupts."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    try:
+        elastic_launch(config, entry)()
+        outcome.exitcodes = dict.fromkeys(range(config.nproc_per_node), 0)
+    except ChildFailedError as err:
+        codes: dict[int, int | None] = dict.fromkeys(range(config.nproc_per_node), 0)
+        for rank, failure in err.failures.items():
+            codes[rank] = failure.exitcode
+        outcome.exitcodes = codes
+    except BaseException as err:  # anything else is reported as text: no exception object survives the launch
+        outcome.agent_error = f"{type(err).__name__}: {err}"
+
+
+@contextlib.contextmanager
+def _kernel_state_kept() -> Any:
+    """Whatever torch's elastic agent changes in the kernel (environment, signal handlers, loggers) is put
+    back as it was."""
+    env = dict(os.environ)
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in SIGNALS_KEPT}
+    levels = {name: logging.getLogger(name).level for name in ELASTIC_LOGGERS}
+    for name in ELASTIC_LOGGERS:  # its error wall would repeat what the launch reports in one traceback
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(env):
+            del os.environ[key]
+        for key, value in env.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+        if threading.current_thread() is threading.main_thread():
+            for name, handler in handlers.items():
+                if handler is not None and signal.getsignal(getattr(signal, name)) is not handler:
+                    signal.signal(getattr(signal, name), handler)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _descendants(known: set[int]) -> list[Any]:
+    import psutil
+
+    try:
+        return [p for p in psutil.Process().children(recursive=True) if p.pid not in known]
+    except psutil.Error:
+        return []
+
+
+def _stop(procs: list[Any], grace: float = 2.0) -> None:
+    """SIGTERM, then SIGKILL after `grace` seconds; reap what we can."""
+    import psutil
+
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace)
+
+
+class _Relay:
+    """Reads every rank's fds 1 and 2 (and rank 0's kernel messages) in the kernel's main thread."""
+
+    def __init__(self, pipes: _Pipes, on_text: Callable[[int, str, str], None],
+                 on_message: Callable[[dict[str, Any]], None]):  # fmt: skip
+        from .display import RankLines
+
+        self.lines = RankLines()
+        self.on_text, self.on_message = on_text, on_message
+        self.sel = selectors.DefaultSelector()
+        for rank, (r, _) in enumerate(pipes.out):
+            os.set_blocking(r, False)
+            self.sel.register(r, selectors.EVENT_READ, (rank, "stdout"))
+        for rank, (r, _) in enumerate(pipes.err):
+            os.set_blocking(r, False)
+            self.sel.register(r, selectors.EVENT_READ, (rank, "stderr"))
+        os.set_blocking(pipes.msg[0], False)
+        self.sel.register(pipes.msg[0], selectors.EVENT_READ, (0, "msg"))
+        self.msg_buffer = b""
+
+    def poll(self, timeout: float) -> None:
+        for key, _ in self.sel.select(timeout):
+            rank, stream = key.data
+            try:
+                data = os.read(key.fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not data:
+                self.sel.unregister(key.fd)
+                continue
+            if stream == "msg":
+                self._messages(data)
+            else:
+                text = self.lines.feed(rank, stream, data)
+                if text:
+                    self.on_text(rank, stream, text)
+
+    def _messages(self, data: bytes) -> None:
+        self.msg_buffer += data
+        while len(self.msg_buffer) >= 4:
+            (size,) = struct.unpack("!I", self.msg_buffer[:4])
+            if len(self.msg_buffer) < 4 + size:
+                return
+            frame, self.msg_buffer = self.msg_buffer[4 : 4 + size], self.msg_buffer[4 + size :]
+            with contextlib.suppress(Exception):
+                self.on_message(pickle.loads(frame))
+
+    def drain(self) -> None:
+        for _ in range(1000):
+            if not self.sel.get_map() or not self.sel.select(0):
+                break
+            self.poll(0)
+        for rank, stream, text in self.lines.flush():
+            self.on_text(rank, stream, text)
+        self.sel.close()
+
+
+def launch(
+    body: Callable[[int], bytes | None],
+    nprocs: int,
+    *,
+    backend: str,
+    threads: int,
+    timeout: float,
+    env: dict[str, str],
+    cell_filename: str,
+    on_text: Callable[[int, str, str], None],
+    on_message: Callable[[dict[str, Any]], None],
+    port: int | None = None,
+) -> LaunchOutcome:
+    """Run `body(rank)` in `nprocs` forked ranks that form one process group. Rank 0's return value (bytes)
+    comes back as `outcome.payload`. The kernel is left as it was: no process, port, file or handler."""
+    outcome = LaunchOutcome(nprocs)
+    started = time.perf_counter()
+    known = {p.pid for p in _descendants(set())}
+    workdir = tempfile.mkdtemp(prefix="accel_magic-")  # 0700, unguessable name, removed below
+    pipes = _Pipes([os.pipe() for _ in range(nprocs)], [os.pipe() for _ in range(nprocs)], os.pipe())
+    rank = _Rank(body, pipes, workdir, env, threads, backend, timeout, cell_filename, [])
+    relay = _Relay(pipes, on_text, on_message)
+    agent: threading.Thread | None = None
+    try:
+        with _kernel_state_kept():
+            config = _launch_config(nprocs, port or free_port(), os.path.join(workdir, "logs"), 0.05)
+
+            def accel_train() -> None:  # torch's agent names its entrypoint after the function
+                rank()
+
+            agent = threading.Thread(target=_run_agent, args=(config, accel_train, outcome), daemon=True)
+            agent.start()
+            del config
+            try:
+                while agent.is_alive():
+                    relay.poll(0.05)
+            except KeyboardInterrupt:
+                outcome.interrupted = True
+                _stop(_descendants(known))
+                agent.join(10)
+            relay.drain()
+    finally:
+        for fd in pipes.all_fds():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        leftovers = _descendants(known)
+        if leftovers:
+            _stop(leftovers)
+        outcome.wall_time = time.perf_counter() - started
+        _collect(outcome, rank, nprocs)
+        shutil.rmtree(workdir, ignore_errors=True)
+    return outcome
+
+
+def _collect(outcome: LaunchOutcome, rank: _Rank, nprocs: int) -> None:
+    for r in range(nprocs):
+        with contextlib.suppress(OSError, pickle.UnpicklingError, EOFError):
+            with open(rank.path("status", r), "rb") as f:
+                outcome.durations[r] = pickle.load(f)["duration"]
+        error: RankFailure | None = None
+        with contextlib.suppress(OSError, pickle.UnpicklingError, EOFError):
+            with open(rank.path("error", r), "rb") as f:
+                error = pickle.load(f)
+        code = outcome.exitcodes.get(r)
+        if error is not None:
+            outcome.failures.append(error)
+        elif code:
+            if code < 0:
+                name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+                hint = " (out of memory?)" if name == "SIGKILL" else ""
+                summary = f"was killed by {name}{hint}"
+                outcome.failures.append(RankFailure(r, code, "signal", summary))
+            else:
+                summary = f"exited with code {code} without raising an exception (os._exit?)"
+                outcome.failures.append(RankFailure(r, code, "exit", summary))
+    if outcome.ok or outcome.failures:
+        with contextlib.suppress(OSError):
+            with open(rank.path("results", 0), "rb") as f:
+                outcome.payload = f.read()
+
+
+def launch_error(outcome: LaunchOutcome, timeout: float) -> LaunchError:
+    """One exception for a failed launch, built outside any `except` block: it names the rank where the
+    failure started and holds nothing of the launch (so the rendezvous port is freed)."""
+    if outcome.agent_error:
+        return LaunchError(f"the launch failed before the cell ran: {outcome.agent_error}", outcome=outcome)
+    root = outcome.root_cause()
+    assert root is not None
+    others = [f.rank for f in outcome.failures if f.rank != root.rank]
+    stopped = " The other ranks were stopped." if outcome.num_processes > 1 else ""
+    if root.kind == "timeout":
+        headline = (
+            f"rank {root.rank}: a collective waited more than {timeout:g} s (--timeout) for the other ranks; "
+            f"every rank must reach the same collectives ({root.summary}).{stopped}"
+        )
+    elif root.kind == "signal":
+        headline = f"rank {root.rank} {root.summary}.{stopped}"
+    elif root.kind == "exit":
+        headline = f"rank {root.rank} {root.summary}.{stopped}"
+    else:
+        headline = f"rank {root.rank} raised {root.summary}" + (
+            "; the other ranks were stopped." if outcome.num_processes > 1 else ""
+        )
+    if others:
+        headline += (
+            f" (ranks {', '.join(map(str, others))} failed after it)"
+            if len(others) > 1
+            else (f" (rank {others[0]} failed after it)")
+        )
+    return LaunchError(headline, root.traceback, outcome)
