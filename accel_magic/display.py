@@ -119,6 +119,11 @@ def show_plan(plan: Plan, by_magic: bool = False) -> None:
 # --- per-rank output ---------------------------------------------------------------------------------------------
 
 
+def _last_segment(line: str) -> str:
+    """What a terminal would show of a line that carriage returns overwrite."""
+    return line.rstrip("\r").rsplit("\r", 1)[-1]
+
+
 class RankLines:
     """Assembles the bytes each rank writes to fds 1 and 2 into whole lines, so ranks never interleave
     mid-line. Rank 0 passes through as is (a carriage-return progress bar stays live); lines from other
@@ -133,7 +138,7 @@ class RankLines:
 
         key = (rank, stream)
         decoder = self._decoders.setdefault(key, codecs.getincrementaldecoder("utf-8")("replace"))
-        text = self._partial.pop(key, "") + decoder.decode(data)
+        text = (self._partial.pop(key, "") + decoder.decode(data)).replace("\r\n", "\n")
         if rank == 0:
             cut = max(text.rfind("\n"), text.rfind("\r")) + 1
         else:
@@ -143,14 +148,14 @@ class RankLines:
             self._partial[key] = rest
         if rank == 0 or not ready:
             return ready
-        return "".join(f"[rank {rank}] {line.rsplit(chr(13), 1)[-1]}\n" for line in ready.split("\n")[:-1])
+        return "".join(f"[rank {rank}] {_last_segment(line)}\n" for line in ready.split("\n")[:-1])
 
     def flush(self) -> list[tuple[int, str, str]]:
         """What is left without a line end, once the ranks have ended."""
         left = []
         for (rank, stream), text in list(self._partial.items()):
             del self._partial[(rank, stream)]
-            left.append((rank, stream, text if rank == 0 else f"[rank {rank}] {text.rsplit(chr(13), 1)[-1]}\n"))
+            left.append((rank, stream, f"{text}\n" if rank == 0 else f"[rank {rank}] {_last_segment(text)}\n"))
         return left
 
 
@@ -180,7 +185,9 @@ def launch_banner(plan: Plan, timeout: float) -> str:
     where = f"{plan.device} ({plan.backend})" if plan.backend else plan.device
     threads = f", {plan.threads_per_process} thread{'s' if plan.threads_per_process != 1 else ''} each"
     mp = f", mixed_precision {plan.mixed_precision}" if plan.mixed_precision != "no" else ""
-    return f"accel_train: {plan.num_processes} processes on {where}{threads}{mp}; collective timeout {timeout:g} s"
+    lines = [f"accel_train: {plan.num_processes} processes on {where}{threads}{mp}; collective timeout {timeout:g} s"]
+    lines += [f"note: {note}" for note in plan.notes]
+    return "\n".join(lines)
 
 
 def write_rank_text(rank: int, stream: str, text: str) -> None:

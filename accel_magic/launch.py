@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import pickle
+import re
 import selectors
 import shutil
 import signal
@@ -34,7 +35,13 @@ COLLATERAL = (
 )
 TIMED_OUT = ("timed out", "timeout")
 SIGNALS_KEPT = [s for s in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGINT") if hasattr(signal, s)]
-ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+_REAL_EXIT = os._exit
+ELASTIC_LOGGERS = (
+    "torch.distributed.elastic",
+    "torch.distributed.launcher",
+    "torch.distributed.run",
+    "torch.multiprocessing",
+)
 
 
 class LaunchError(Exception):
@@ -93,7 +100,9 @@ class LaunchOutcome:
         """The rank where the failure started: an exception, exit or kill before any collateral error."""
         if not self.failures:
             return None
-        order = {"exception": 0, "exit": 0, "signal": 0, "timeout": 1, "collateral": 2}
+        # Ranks that raised or exited come first (their records carry exact times), then timeouts, then ranks
+        # that died without a record (killed, or stopped by the agent), then errors caused by a dead peer.
+        order = {"exception": 0, "exit": 0, "timeout": 1, "signal": 2, "collateral": 3}
         return min(self.failures, key=lambda f: (order[f.kind], f.when if f.when is not None else 0.0, f.rank))
 
 
@@ -191,6 +200,13 @@ def _render_rank_traceback(err: BaseException, cell_filename: str) -> str:
     return "".join(lines)
 
 
+def _first_line(err: BaseException) -> str:
+    """The first line of the message, without gloo's source-file prefix and sign-off."""
+    text = str(err).splitlines()[0] if str(err) else ""
+    text = re.sub(r"^\[[^\]]+\.(?:cc|cpp|h):\d+\] ", "", text)
+    return text.split(" This is typically caused")[0]
+
+
 def _classify(err: BaseException) -> str:
     text = str(err).lower()
     if any(t in text for t in TIMED_OUT):
@@ -230,11 +246,27 @@ class _Rank:
         sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
         _forward_kernel_messages(rank, msg_w)
 
+    def _record_os_exit(self, rank: int) -> None:
+        """A cell that calls os._exit leaves no exception: record the call, then exit as asked."""
+
+        def _exit(code: int) -> None:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+                if code:
+                    summary = f"called os._exit({code})"
+                    self._write("error", rank, RankFailure(rank, code, "exit", summary, "", time.time()))
+            _REAL_EXIT(code)
+
+        os._exit = _exit
+
     def __call__(self) -> None:
         rank = int(os.environ.get("RANK", "0"))
         start = time.time()
         try:
+            self._write("started", rank, os.getpid())
             self._redirect(rank)
+            self._record_os_exit(rank)
             os.environ.update(self.env)
             exit_code = self._run(rank, start)
         except BaseException:  # the rank must never unwind into the kernel's code
@@ -243,7 +275,7 @@ class _Rank:
             sys.stdout.flush()
             sys.stderr.flush()
         if exit_code:
-            os._exit(exit_code)
+            _REAL_EXIT(exit_code)
 
     def _run(self, rank: int, start: float) -> int:
         import torch
@@ -268,7 +300,7 @@ class _Rank:
             return code
         except BaseException as err:
             kind = "exception" if isinstance(err, KeyboardInterrupt) else _classify(err)
-            first = str(err).splitlines()[0] if str(err) else ""
+            first = _first_line(err)
             summary = f"{type(err).__name__}: {first}" if first else type(err).__name__
             tb = "" if getattr(err, "no_traceback", False) else _render_rank_traceback(err, self.cell_filename)
             self._write("error", rank, RankFailure(rank, 1, kind, summary, tb, time.time()))
@@ -501,31 +533,39 @@ def launch(
     return outcome
 
 
+def _load(path: str) -> Any:
+    with contextlib.suppress(OSError, pickle.UnpicklingError, EOFError), open(path, "rb") as f:
+        return pickle.load(f)
+    return None
+
+
+def _abrupt(rank: int, code: int | None) -> RankFailure:
+    """A rank that ended without leaving a record: killed, crashed, or ended by the agent."""
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        hint = " (as the out-of-memory killer does)" if name == "SIGKILL" else ""
+        return RankFailure(rank, code, "signal", f"was killed by {name}{hint}")
+    if code:
+        return RankFailure(rank, code, "signal", f"ended with exit code {code} without raising an exception")
+    return RankFailure(
+        rank, None, "signal", "died without raising an exception (killed, e.g. by the out-of-memory killer, or crashed)"
+    )
+
+
 def _collect(outcome: LaunchOutcome, rank: _Rank, nprocs: int) -> None:
+    failed = bool(outcome.agent_error) or any(outcome.exitcodes.get(r) for r in range(nprocs))
     for r in range(nprocs):
-        with contextlib.suppress(OSError, pickle.UnpicklingError, EOFError):
-            with open(rank.path("status", r), "rb") as f:
-                outcome.durations[r] = pickle.load(f)["duration"]
-        error: RankFailure | None = None
-        with contextlib.suppress(OSError, pickle.UnpicklingError, EOFError):
-            with open(rank.path("error", r), "rb") as f:
-                error = pickle.load(f)
-        code = outcome.exitcodes.get(r)
+        status = _load(rank.path("status", r))
+        if status is not None:
+            outcome.durations[r] = status["duration"]
+        error = _load(rank.path("error", r))
         if error is not None:
             outcome.failures.append(error)
-        elif code:
-            if code < 0:
-                name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
-                hint = " (out of memory?)" if name == "SIGKILL" else ""
-                summary = f"was killed by {name}{hint}"
-                outcome.failures.append(RankFailure(r, code, "signal", summary))
-            else:
-                summary = f"exited with code {code} without raising an exception (os._exit?)"
-                outcome.failures.append(RankFailure(r, code, "exit", summary))
-    if outcome.ok or outcome.failures:
-        with contextlib.suppress(OSError):
-            with open(rank.path("results", 0), "rb") as f:
-                outcome.payload = f.read()
+        elif status is None and (failed or outcome.exitcodes.get(r)) and _load(rank.path("started", r)):
+            outcome.failures.append(_abrupt(r, outcome.exitcodes.get(r)))
+    if outcome.ok:
+        with contextlib.suppress(OSError), open(rank.path("results", 0), "rb") as f:
+            outcome.payload = f.read()
 
 
 def launch_error(outcome: LaunchOutcome, timeout: float) -> LaunchError:
@@ -535,7 +575,6 @@ def launch_error(outcome: LaunchOutcome, timeout: float) -> LaunchError:
         return LaunchError(f"the launch failed before the cell ran: {outcome.agent_error}", outcome=outcome)
     root = outcome.root_cause()
     assert root is not None
-    others = [f.rank for f in outcome.failures if f.rank != root.rank]
     stopped = " The other ranks were stopped." if outcome.num_processes > 1 else ""
     if root.kind == "timeout":
         headline = (
@@ -549,11 +588,5 @@ def launch_error(outcome: LaunchOutcome, timeout: float) -> LaunchError:
     else:
         headline = f"rank {root.rank} raised {root.summary}" + (
             "; the other ranks were stopped." if outcome.num_processes > 1 else ""
-        )
-    if others:
-        headline += (
-            f" (ranks {', '.join(map(str, others))} failed after it)"
-            if len(others) > 1
-            else (f" (rank {others[0]} failed after it)")
         )
     return LaunchError(headline, root.traceback, outcome)

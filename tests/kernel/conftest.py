@@ -41,3 +41,45 @@ def run_cells(*sources: str, timeout: int = 300, allow_errors: bool = False) -> 
 @pytest.fixture
 def kernel_run():
     return run_cells
+
+
+class LiveKernel:
+    """A real ipykernel driven message by message (for interrupts and timing), as a front end does."""
+
+    def __init__(self) -> None:
+        from jupyter_client.manager import start_new_kernel
+
+        self.km, self.kc = start_new_kernel(kernel_name="python3")
+
+    def execute(self, code: str, timeout: float = 120) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        msg_id = self.kc.execute(code)
+        return self.collect(msg_id, timeout)
+
+    def collect(self, msg_id: str, timeout: float = 120) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        outputs = []
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=timeout)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "status" and content["execution_state"] == "idle":
+                break
+            if kind in ("stream", "error", "display_data", "execute_result"):
+                outputs.append({"output_type": kind, **content})
+        reply = self.kc.get_shell_msg(timeout=timeout)
+        return reply["content"], outputs
+
+    def text(self, code: str, timeout: float = 120) -> str:
+        _, outputs = self.execute(code, timeout)
+        return "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in outputs)
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def live_kernel():
+    kernel = LiveKernel()
+    yield kernel
+    kernel.close()

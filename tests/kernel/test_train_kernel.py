@@ -1,0 +1,364 @@
+"""%%accel_train in a real ipykernel: one test per behaviour a notebook user sees."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+SETUP = "%load_ext accel_magic"
+
+MLP = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+w_before = [p.detach().clone() for p in model.parameters()]
+model_id = id(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+opt_id = id(opt)
+data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+dl = torch.utils.data.DataLoader(data, batch_size=8)
+dl_id = id(dl)
+"""
+
+TRAIN = """%%accel_train -n 2
+import torch.nn.functional as F
+state = accelerator.state
+print(f"rank {accelerator.process_index}: {state.distributed_type} backend={state.backend} "
+      f"world={accelerator.num_processes} threads={torch.get_num_threads()}")
+model, opt, dl = accelerator.prepare(model, opt, dl)
+for x, y in dl:
+    loss = F.cross_entropy(model(x), y)
+    accelerator.backward(loss)
+    opt.step()
+    opt.zero_grad()
+flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+gathered = accelerator.gather(flat[None])
+same_weights = bool(torch.equal(gathered[0], gathered[1]))
+rank0_weights = gathered[0].clone()
+final_loss = loss.item()
+"""
+
+
+def test_ranks_form_one_gloo_group_train_ddp_and_results_come_back(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        MLP,
+        TRAIN,
+        "print(id(model) == model_id, type(model).__name__, id(opt) == opt_id, id(dl) == dl_id)\n"
+        "flat_nb = torch.cat([p.detach().flatten() for p in model.parameters()])\n"
+        "print(same_weights, torch.equal(flat_nb, rank0_weights), not torch.equal(flat_nb[:8], w_before[0].flatten()))\n"
+        "print(len(opt.state) > 0, type(dl).__name__, isinstance(final_loss, float))\n"
+        "print(type(accel_result).__name__, accel_result.ok, sorted(accel_result.exitcodes.items()))",
+    )
+    out = cells.text(2)
+    assert "rank 0: DistributedType.MULTI_CPU backend=gloo world=2 threads=1" in out
+    assert "[rank 1] rank 1: DistributedType.MULTI_CPU backend=gloo world=2 threads=1" in out
+    assert "OMP_NUM_THREADS/MKL_NUM_THREADS unset" not in out  # threads were set before accelerate looked
+    lines = cells.text(3).split("\n")
+    assert lines[0] == "True Sequential True True"  # the notebook's own objects, unwrapped
+    assert lines[1] == "True True True"  # identical weights on both ranks, loaded into the notebook's model
+    assert lines[2] == "True DataLoader True"  # optimizer state back; the notebook's dataloader as it was
+    assert lines[3] == "LaunchOutcome True [(0, 0), (1, 0)]"
+
+
+def test_cell_sees_notebook_variables_and_runs_magics_and_shell_lines(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        "greeting = 'hello'",
+        "%%accel_train -n 2\n"
+        "print(greeting, accelerator.process_index)\n"
+        "!echo from-a-subprocess\n"
+        "%env ACCEL_TEST_FLAG=1\n"
+        "import os; flag = os.environ['ACCEL_TEST_FLAG']",
+        "print(flag, 'ACCEL_TEST_FLAG' in __import__('os').environ)",
+    )
+    out = cells.text(2)
+    assert "hello 0\n" in out and "[rank 1] hello 1\n" in out
+    assert "from-a-subprocess\n" in out and "[rank 1] from-a-subprocess\n" in out
+    assert cells.text(3).strip() == "1 False"  # the value came back; the rank's environment did not
+
+
+def test_output_from_both_ranks_is_marked_and_never_interleaved_mid_line(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        "%%accel_train -n 2 --no-return\n"
+        "import sys, os\n"
+        "r = accelerator.process_index\n"
+        "for i in range(300):\n"
+        "    print(f'r{r}-line-{i}-' + 'x' * 200)\n"
+        "    if i % 50 == 0:\n"
+        "        os.write(2, f'r{r}-fd2-{i}\\n'.encode())\n"
+        "print('no newline at the end from', r, end='')",
+    )
+    out = cells.text(1)
+    pattern = re.compile(r"^(\[rank 1\] r1|r0)-(line-\d+-x{200}|fd2-\d+)$")
+    body = [line for line in out.split("\n") if line and not line.startswith("accel_train:")]
+    tails = [line for line in body if "no newline" in line]
+    assert sorted(tails) == ["[rank 1] no newline at the end from 1", "no newline at the end from 0"]
+    bad = [line for line in body if not pattern.match(line) and line not in tails]
+    assert not bad, bad[:3]
+    assert sum(1 for line in body if line.startswith("[rank 1] r1-line")) == 300
+    assert sum(1 for line in body if line.startswith("r0-line")) == 300
+
+
+def test_accelerator_print_prints_once_and_rank0_carriage_returns_pass_through(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        "%%accel_train -n 2\n"
+        "accelerator.print('once')\n"
+        "import sys\n"
+        "if accelerator.is_main_process:\n"
+        "    for i in range(3):\n"
+        "        sys.stderr.write(f'\\rprogress {i}')\n"
+        "    sys.stderr.write('\\n')",
+    )
+    out = cells.text(1)
+    assert out.count("once") == 1
+    assert "\rprogress 0\rprogress 1\rprogress 2\n" in out
+
+
+def test_tqdm_auto_bar_on_rank0_shows_as_a_widget(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        "%%accel_train -n 2\nfrom tqdm.auto import tqdm\nfor _ in tqdm(range(5), disable=not accelerator.is_main_process):\n"
+        "    pass",
+    )
+    views = [o for o in cells.outputs(1) if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(views) == 1  # rank 0's bar, forwarded; rank 1 disabled its own
+
+
+def test_return_options_and_unpicklable_names(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        "import torch",
+        "%%accel_train -n 2 --return a,net\na = 1\nb = 2\nnet = torch.nn.Linear(2, 2)\n",
+        "print(a, 'b' in dir(), type(net).__name__, net.weight.device)",
+        "%%accel_train -n 2\nimport threading\nlock = threading.Lock()\nc = 3",
+        "print(c, 'lock' in dir())",
+        "%%accel_train -n 2 --no-return\nd = 4",
+        "print('d' in dir(), accel_result.ok)",
+    )
+    assert cells.text(3).strip() == "1 False Linear cpu"
+    assert "Not brought back to the notebook: lock (TypeError: cannot pickle '_thread.lock' object)." in cells.text(4)
+    assert cells.text(5).strip() == "3 False"
+    assert cells.text(7).strip() == "False True"
+
+
+def test_result_over_the_limit_names_the_biggest_and_changes_nothing(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        "import torch\nsmall = 'kept'",
+        "%%accel_train -n 2 --max-return-mb 1\nbig = torch.zeros(1_000_000)\nsmall = 'changed'",
+        "print(small, 'big' in dir())",
+        allow_errors=True,
+    )
+    (error,) = [o for o in cells.outputs(2) if o["output_type"] == "error"]
+    assert error["ename"] == "LaunchError"
+    assert "over the 1 MB limit (biggest: big 3.8 MB" in error["evalue"]
+    assert cells.text(3).strip() == "kept False"
+
+
+def test_parent_state_does_not_block_or_isolate_the_ranks(kernel_run) -> None:
+    report = "%%accel_train -n 2 --no-return\nprint('world', accelerator.num_processes, accelerator.distributed_type)"
+    cells = kernel_run(
+        SETUP,
+        "%accel_setup --quiet",
+        report,
+        "%%accel_train -n 1\nimport os\nkernel_pid = os.getpid()",
+        report,
+        "from accelerate import PartialState\nPartialState(cpu=True)",
+        report,
+        "print(kernel_pid == __import__('os').getpid(), accelerator.device, accelerator.num_processes)",
+    )
+    for i in (2, 4, 6):
+        assert "world 2 DistributedType.MULTI_CPU" in cells.text(i), cells.text(i)
+    assert cells.text(7).strip() == "True cpu 1"  # -n 1 ran in the kernel; the notebook's accelerator works
+
+
+def test_fake_colab_cpu_runtime_still_runs_the_ranks_asked_for(kernel_run) -> None:
+    """notebook_launcher runs in-process on Colab without GPUs; the fake Colab environment below is probed
+    as Colab, and -n 2 still gives a world of 2."""
+    cells = kernel_run(
+        SETUP,
+        "%env COLAB_RELEASE_TAG=fake-colab\n%env COLAB_GPU=",
+        "plan = %accel_setup --quiet\nprint(plan.runtime.platform)",
+        "%%accel_train -n 2 --no-return\nprint('world', accelerator.num_processes)",
+    )
+    assert cells.text(2).strip() == "colab"
+    assert "world 2" in cells.text(3)
+
+
+FAILURES = [
+    (
+        "rank 0 raises",
+        "if accelerator.process_index == 0:\n    raise KeyError('zero')",
+        "rank 0 raised KeyError: 'zero'",
+    ),
+    (
+        "rank 1 raises",
+        "if accelerator.process_index == 1:\n    raise ValueError('one')",
+        "rank 1 raised ValueError: one",
+    ),
+    (
+        "rank 1 calls sys.exit",
+        "import sys\nif accelerator.process_index == 1:\n    sys.exit(3)",
+        "rank 1 called sys.exit(3)",
+    ),
+    (
+        "rank 1 calls os._exit",
+        "import os\nif accelerator.process_index == 1:\n    os._exit(1)",
+        "rank 1 called os._exit(1)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "headline"), [f[1:] for f in FAILURES], ids=[f[0] for f in FAILURES])
+def test_failure_names_the_root_rank_then_the_next_launch_works(kernel_run, body: str, headline: str) -> None:
+    cells = kernel_run(
+        SETUP,
+        "keep = 'before'",
+        f"%%accel_train -n 2\nkeep = 'changed'\n{body}\naccelerator.wait_for_everyone()",
+        "%%accel_train -n 2\nafter = accelerator.num_processes",
+        "print(keep, after)",
+        allow_errors=True,
+    )
+    (error,) = [o for o in cells.outputs(2) if o["output_type"] == "error"]
+    assert error["ename"] == "LaunchError"
+    assert error["evalue"].startswith(headline), error["evalue"]
+    assert "The other ranks were stopped" in error["evalue"] or "the other ranks were stopped" in error["evalue"]
+    tb = "\n".join(error["traceback"])
+    if "raise" in body:
+        assert "Cell line 3" in tb and "elastic" not in tb
+    assert "ChildFailedError" not in cells.text(2)
+    assert cells.text(4).strip() == "before 2"
+
+
+def test_syntax_error_is_reported_before_any_process_starts(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        "import psutil",
+        "%%accel_train -n 2\nx = 1\ny = (\n",
+        "print(psutil.Process().children())",
+        allow_errors=True,
+    )
+    assert (
+        cells.text(2)
+        == "UsageError: Syntax error at cell line 2 (y = (): '(' was never closed; nothing was launched.\n"
+    )
+    assert cells.text(3).strip() == "[]"
+
+
+def test_skipped_collective_ends_after_the_timeout(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        "import time\nt0 = time.time()",
+        "%%accel_train -n 2 --timeout 3\nimport time, torch\n"
+        "if accelerator.process_index == 1:\n    time.sleep(30)  # alive, but never joins the all-reduce\n"
+        "else:\n    accelerator.reduce(torch.ones(1))",
+        "print(round(time.time() - t0))",
+        allow_errors=True,
+    )
+    (error,) = [o for o in cells.outputs(2) if o["output_type"] == "error"]
+    assert error["evalue"].startswith("rank 0: a collective waited more than 3 s (--timeout)")
+    assert int(cells.text(3)) < 12
+
+
+def test_interrupt_stops_every_rank_within_seconds(live_kernel) -> None:
+    live_kernel.execute(SETUP)
+    live_kernel.execute("import psutil, os")
+    msg_id = live_kernel.kc.execute(
+        "%%accel_train -n 2\nimport time\nwhile True:\n    try:\n        time.sleep(0.1)\n"
+        "    except Exception:\n        pass  # a loop that swallows exceptions"
+    )
+    time.sleep(4)
+    start = time.monotonic()
+    live_kernel.km.interrupt_kernel()
+    reply, outputs = live_kernel.collect(msg_id, timeout=30)
+    took = time.monotonic() - start
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
+    assert took < 5, took
+    assert "SignalException" not in str(outputs)
+    assert live_kernel.text("print(psutil.Process().children(recursive=True))").strip() == "[]"
+    assert "world 2" in live_kernel.text("%%accel_train -n 2 --no-return\nprint('world', accelerator.num_processes)")
+
+
+def test_nothing_is_left_behind_after_good_and_bad_launches(kernel_run) -> None:
+    snapshot = (
+        "import os, glob, signal, psutil, time\n"
+        "def snapshot():\n"
+        "    time.sleep(0.2)\n"
+        "    me = psutil.Process()\n"
+        "    return (sorted(os.environ.items()),\n"
+        "            [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGINT)],\n"
+        "            sorted(c.laddr for c in me.net_connections() if c.status == 'LISTEN'),\n"
+        "            me.children(recursive=True),\n"
+        "            sorted(glob.glob('/tmp/torchelastic_*') + glob.glob('/tmp/accel_magic-*')))\n"
+    )
+    cells = kernel_run(
+        SETUP,
+        snapshot + "before = snapshot()",
+        "%%accel_train -n 2\nx = 1",
+        "%%accel_train -n 2\nif accelerator.process_index == 1:\n    raise RuntimeError('bad')\naccelerator.wait_for_everyone()",
+        "after = snapshot()\nfor a, b, what in zip(before, after, ['env', 'signals', 'listening', 'children', 'tmp']):\n"
+        "    print(what, a == b, '' if a == b else (a, b))",
+        allow_errors=True,
+    )
+    assert cells.text(4).split("\n")[:5] == [
+        "env True ",
+        "signals True ",
+        "listening True ",
+        "children True ",
+        "tmp True ",
+    ]
+
+
+def test_mixed_precision_bf16_autocasts_and_fp16_is_downgraded(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        "%%accel_train -n 2 --mixed-precision bf16\nimport torch\nwith accelerator.autocast():\n"
+        "    y = torch.nn.Linear(4, 4)(torch.randn(2, 4))\nprint('dtype', y.dtype, accelerator.mixed_precision)",
+        "%%accel_train -n 2 --mixed-precision fp16\nprint('mp', accelerator.mixed_precision)",
+    )
+    out = cells.text(1)
+    assert "dtype torch.bfloat16 bf16" in out and "[rank 1] dtype torch.bfloat16 bf16" in out
+    out = cells.text(2)
+    assert "note: fp16 has no effect on the CPU" in out and "mp no" in out
+
+
+BAD = [
+    ("zero processes", "-n 0", "x = 1", "-n/--num-processes must be a whole number of at least 1, not '0'."),
+    (
+        "processes not a number",
+        "-n abc",
+        "x = 1",
+        "-n/--num-processes must be a whole number of at least 1, not 'abc'.",
+    ),
+    ("negative timeout", "-n 2 --timeout -1", "x = 1", "--timeout must be a number of seconds or megabytes above 0"),
+    ("port out of range", "-n 2 --port 70000", "x = 1", "--port must be a whole number from 1 to 65535, not '70000'."),
+    ("empty cell", "-n 2", "", "the cell body is empty"),  # IPython says it before the magic runs
+    ("only comments", "-n 2", "# nothing\n   # here", "The cell is empty"),
+    ("return of an unbound name", "-n 2 --return y", "x = 1", "--return names y, which the cell never binds"),
+    ("unknown flag", "-n 2 --bogus", "x = 1", "unrecognized arguments: --bogus"),
+]
+
+
+@pytest.mark.parametrize(("line", "body", "says"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_is_one_sentence_and_loses_nothing(kernel_run, line: str, body: str, says: str) -> None:
+    cells = kernel_run(SETUP, "x = 'mine'", f"%%accel_train {line}\n{body}", "print(x)", allow_errors=True)
+    text = cells.text(2)
+    assert text.startswith("UsageError: ") and says in text and text.count("\n") == 1, text
+    assert cells.text(3).strip() == "mine"
+
+
+def test_port_in_use_is_refused(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        "import socket\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\ns.listen()\nport = s.getsockname()[1]",
+        "%%accel_train -n 2 --port $port\nx = 1",
+        allow_errors=True,
+    )
+    assert re.fullmatch(
+        r"UsageError: Port \d+ is in use: choose another with --port, or leave --port out\.\n", cells.text(2)
+    )
