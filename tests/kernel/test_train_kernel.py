@@ -362,3 +362,18 @@ def test_port_in_use_is_refused(kernel_run) -> None:
     assert re.fullmatch(
         r"UsageError: Port \d+ is in use: choose another with --port, or leave --port out\.\n", cells.text(2)
     )
+
+
+def test_defaults_come_from_config_then_setup_and_own_accelerator_works(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        "%config AccelMagics.num_processes = 2",
+        "%%accel_train --no-return\nprint('world', accelerator.num_processes)",
+        "%config AccelMagics.num_processes = None\n%accel_setup --quiet -n 2",
+        "%%accel_train\nfrom accelerate import Accelerator\nmine = Accelerator()\nprint('own', mine.num_processes, mine.distributed_type)\nimport torch\n"
+        "net = mine.prepare(torch.nn.Linear(3, 1))",
+        "print(type(net).__name__, net.weight.device)",
+    )
+    assert "world 2" in cells.text(2)  # %config, without %accel_setup: it set itself up
+    assert "own 2 DistributedType.MULTI_CPU" in cells.text(4)  # %accel_setup -n 2, and the cell's own Accelerator
+    assert cells.text(5).strip() == "Linear cpu"  # a model prepared in the cell comes back unwrapped

@@ -166,3 +166,35 @@ def test_bad_input_shows_no_traceback(ip, capsys) -> None:
     assert result.error_in_exec is not None
     assert "Traceback" not in captured.out + captured.err
     assert "UsageError: -n/--num-processes must be a whole number of at least 1, not 'abc'." in captured.err
+
+
+def test_fake_gpu_kernel_that_touched_cuda_refuses_to_fork_gpu_ranks(ip, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU here: a fake 2xT4 runtime is probed, and the fork check is faked to report a poisoned kernel."""
+    from accel_magic import launch, magics
+    from accel_magic.runtime import GPU, Runtime
+
+    fake_two_t4 = Runtime(
+        platform="kaggle",
+        gpus=(GPU(0, "Tesla T4", 15360, (7, 5)), GPU(1, "Tesla T4", 15360, (7, 5))),
+        torch_cuda_archs=("sm_75",),
+        cpu_budget=4,
+    )
+    monkeypatch.setattr(magics, "probe", lambda shell=None: fake_two_t4)
+    monkeypatch.setattr(launch, "cuda_fork_ok", lambda: False)
+    ip.user_ns["keep"] = "mine"
+    with pytest.raises(UsageError, match="CUDA is already initialized in this kernel, so GPU ranks cannot be forked"):
+        ip.run_cell_magic("accel_train", "-n 2", "keep = 'changed'")
+    assert ip.user_ns["keep"] == "mine"
+    with pytest.raises(UsageError, match="add --cpu"):
+        ip.run_cell_magic("accel_train", "-n 3", "x = 1")
+
+
+def test_train_in_a_shell_without_kernel_runs_ranks_and_brings_names_back(ip, capfd) -> None:
+    ip.run_cell_magic(
+        "accel_train", "-n 2", "value = accelerator.num_processes * 10\nprint('rank', accelerator.process_index)"
+    )
+    out = capfd.readouterr().out
+    assert ip.user_ns["value"] == 20
+    assert "rank 0" in out and "[rank 1] rank 1" in out
+    ip.user_ns.pop("value")
+    ip.user_ns.pop("accel_result", None)

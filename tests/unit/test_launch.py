@@ -1,0 +1,111 @@
+"""launch.py pieces that need no kernel: ports, the launch config, root-cause ordering, fork checks."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from accel_magic import launch
+from accel_magic.launch import LaunchOutcome, RankFailure, check_port, free_port, launch_error
+
+
+def test_free_port_is_bindable_on_loopback_and_check_port_sees_a_taken_one() -> None:
+    port = free_port()
+    assert port != 29500 and check_port(port)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        assert not check_port(port)
+
+
+def test_launch_config_never_asks_cuda_and_logs_in_the_private_dir(tmp_path: Path, monkeypatch) -> None:
+    import torch
+
+    def poisoned(*args, **kwargs):
+        raise AssertionError("LaunchConfig asked CUDA in the kernel")
+
+    monkeypatch.setattr(torch.cuda, "is_available", poisoned)
+    monkeypatch.setattr(torch.cuda, "device_count", poisoned)
+    before = set(Path("/tmp").glob("torchelastic_*"))
+    config = launch._launch_config(2, free_port(), str(tmp_path / "logs"), 0.05)
+    assert config.start_method == "fork" and config.max_restarts == 0
+    assert config.rdzv_endpoint.startswith("127.0.0.1:")
+    assert getattr(config, "numa_options", None) is None
+    assert set(Path("/tmp").glob("torchelastic_*")) == before
+
+
+def test_cuda_fork_check_on_this_cpu_machine_says_yes_and_leaves_no_child() -> None:
+    import psutil
+
+    assert launch.cuda_fork_ok() is True
+    assert psutil.Process().children() == []
+
+
+def outcome(*failures: RankFailure, n: int = 2) -> LaunchOutcome:
+    return LaunchOutcome(n, exitcodes={f.rank: f.exitcode for f in failures}, failures=list(failures))
+
+
+ROOTS = [
+    (
+        "the raising rank, not the peer that lost its connection first",
+        [
+            RankFailure(0, 1, "collateral", "RuntimeError: Connection closed by peer", when=1.0),
+            RankFailure(1, 1, "exception", "ValueError: x", when=1.2),
+        ],
+        1,
+    ),
+    (
+        "the earlier of two raising ranks",
+        [RankFailure(0, 1, "exception", "A", when=2.0), RankFailure(1, 1, "exception", "B", when=1.0)],
+        1,
+    ),
+    (
+        "a killed rank before the collateral error it caused",
+        [
+            RankFailure(0, 1, "collateral", "Connection reset by peer", when=1.0),
+            RankFailure(1, -9, "signal", "was killed by SIGKILL"),
+        ],
+        1,
+    ),
+    (
+        "a raising rank before the rank the agent stopped",
+        [RankFailure(0, -15, "signal", "was killed by SIGTERM"), RankFailure(1, 1, "exception", "E", when=5.0)],
+        1,
+    ),
+    (
+        "a timeout before collateral errors",
+        [RankFailure(0, 1, "timeout", "Timed out", when=3.0), RankFailure(1, 1, "collateral", "closed", when=2.0)],
+        0,
+    ),
+]
+
+
+@pytest.mark.parametrize(("failures", "root"), [r[1:] for r in ROOTS], ids=[r[0] for r in ROOTS])
+def test_root_cause(failures: list[RankFailure], root: int) -> None:
+    found = outcome(*failures).root_cause()
+    assert found is not None and found.rank == root
+
+
+def test_launch_error_is_one_headline_plus_the_rank_traceback() -> None:
+    tb = "Traceback (most recent call last):\n  Cell line 3, in <module>\n    raise ValueError('x')\nValueError: x\n"
+    err = launch_error(outcome(RankFailure(1, 1, "exception", "ValueError: x", tb, 1.0)), 900)
+    assert str(err) == "rank 1 raised ValueError: x; the other ranks were stopped."
+    rendered = err._render_traceback_()
+    assert rendered[0].endswith("rank 1 raised ValueError: x; the other ranks were stopped.")
+    assert "  Cell line 3, in <module>" in rendered and err.__cause__ is None and err.__context__ is None
+
+
+def test_launch_error_for_a_timeout_names_the_option() -> None:
+    err = launch_error(outcome(RankFailure(0, 1, "timeout", "RuntimeError: Timed out waiting 3000ms", when=1.0)), 3)
+    assert str(err).startswith("rank 0: a collective waited more than 3 s (--timeout)")
+
+
+def test_first_line_drops_gloo_source_prefix() -> None:
+    err = RuntimeError(
+        "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1. "
+        "This is typically caused by a remote worker crashing."
+    )
+    assert launch._first_line(err) == "Connection closed by peer [127.0.0.1]:1."
+    assert launch._classify(err) == "collateral"
