@@ -20,8 +20,8 @@ quickstart: $(STAMP)
 	$(BIN)/python scripts/run_notebook.py notebooks/01_quickstart.ipynb
 
 lint: $(STAMP)
-	$(BIN)/ruff check accel_magic tests scripts
-	$(BIN)/ruff format --check accel_magic tests scripts
+	$(BIN)/ruff check accel_magic tests scripts bench
+	$(BIN)/ruff format --check accel_magic tests scripts bench
 
 test: lint
 	$(BIN)/python -m pytest -ra

@@ -32,6 +32,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, str]]:
         ("strategy", plan.strategy),
         ("threads", f"{plan.threads_per_process} per process"),
         ("accelerator", accel),
+        ("timeout", f"{plan.timeout:g} s for a collective to wait for the other ranks (--timeout)"),
         ("CPU budget", f"{rt.cpu_budget} (of {rt.cpu_count} cores on the host), RAM {_gib(rt.ram_bytes)}"),
         ("GPUs", describe_gpus(rt.gpus)),
         ("TPU", rt.tpu or "none"),
@@ -181,11 +182,13 @@ def sys_streams_flush() -> None:
             pass
 
 
-def launch_banner(plan: Plan, timeout: float) -> str:
+def launch_banner(plan: Plan) -> str:
     where = f"{plan.device} ({plan.backend})" if plan.backend else plan.device
     threads = f", {plan.threads_per_process} thread{'s' if plan.threads_per_process != 1 else ''} each"
     mp = f", mixed_precision {plan.mixed_precision}" if plan.mixed_precision != "no" else ""
-    lines = [f"accel_train: {plan.num_processes} processes on {where}{threads}{mp}; collective timeout {timeout:g} s"]
+    lines = [
+        f"accel_train: {plan.num_processes} processes on {where}{threads}{mp}; collective timeout {plan.timeout:g} s"
+    ]
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
 

@@ -11,7 +11,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, validate
 
-from .plan import MIXED_PRECISION, STRATEGIES, Plan, PlanError, Request, make_plan
+from .plan import DEFAULT_TIMEOUT, MIXED_PRECISION, STRATEGIES, Plan, PlanError, Request, make_plan
 from .runtime import Runtime, probe
 
 __all__ = ["AccelMagics"]
@@ -101,7 +101,7 @@ class AccelMagics(Magics):
     strict = Bool(False, help="Refuse instead of falling back when a request cannot be honoured.").tag(config=True)
     name = Unicode("accelerator", help="Name of the Accelerator variable in the notebook.").tag(config=True)
     timeout = Float(
-        900.0,
+        DEFAULT_TIMEOUT,
         help="Seconds a collective (all-reduce, barrier) may wait for the other ranks before the launch fails. "
         "Long enough for rank 0 to evaluate while the others wait at a barrier.",
     ).tag(config=True)
@@ -132,6 +132,7 @@ class AccelMagics(Magics):
             mixed_precision=_choice(args.mixed_precision, MIXED_PRECISION, "--mixed-precision") or self.mixed_precision,
             strategy=_choice(args.strategy, STRATEGIES, "--strategy") or self.strategy,
             strict=args.strict or self.strict,
+            timeout=self.timeout,
         )
 
     def _target_name(self, args: Any) -> str:
@@ -210,7 +211,6 @@ class AccelMagics(Magics):
         from .cell import CellError, compile_cell
 
         args = _parse(self.accel_train, line, "accel_train")
-        timeout = _positive_float(args.timeout, "--timeout") or self.timeout
         max_mb = _positive_float(args.max_return_mb, "--max-return-mb") or self.max_return_mb
         port = _port(args.port)
         request = self._train_request(args)
@@ -226,7 +226,7 @@ class AccelMagics(Magics):
                 self._setup(request, self.accelerator_name, quiet=True, runtime=runtime)
             self._run_in_kernel(cell)
             return
-        self._run_ranks(code, plan, returns, timeout, port, int(max_mb * 2**20))
+        self._run_ranks(code, plan, returns, port, int(max_mb * 2**20))
 
     def _train_request(self, args: Any) -> Request:
         base = self.plan.request if self.plan is not None else Request()
@@ -237,6 +237,7 @@ class AccelMagics(Magics):
             num_processes=n if n is not None else (base.num_processes or self.num_processes),
             cpu=args.cpu or base.cpu or self.cpu,
             mixed_precision=mp or base.mixed_precision or self.mixed_precision,
+            timeout=_positive_float(args.timeout, "--timeout") or base.timeout or self.timeout,
         )
 
     def _run_in_kernel(self, cell: str) -> None:
@@ -250,9 +251,7 @@ class AccelMagics(Magics):
         if result.success:
             self.shell.user_ns["accel_result"] = outcome
 
-    def _run_ranks(
-        self, code: Any, plan: Plan, returns: tuple[str, ...], timeout: float, port: int | None, max_bytes: int
-    ) -> None:
+    def _run_ranks(self, code: Any, plan: Plan, returns: tuple[str, ...], port: int | None, max_bytes: int) -> None:
         import pickle
         from functools import partial
 
@@ -279,13 +278,13 @@ class AccelMagics(Magics):
             notebook_ids=notebook_ids,
             max_bytes=max_bytes,
         )
-        print(launch_banner(plan, timeout))
+        print(launch_banner(plan))
         outcome = launch(
             body,
             plan.num_processes,
             backend=plan.backend or "gloo",
             threads=plan.threads_per_process,
-            timeout=timeout,
+            timeout=plan.timeout,
             env=rank_environment(plan),
             cell_filename=code.filename,
             on_text=write_rank_text,
@@ -296,7 +295,7 @@ class AccelMagics(Magics):
         if outcome.interrupted:
             raise KeyboardInterrupt
         if not outcome.ok:
-            raise launch_error(outcome, timeout)
+            raise launch_error(outcome, plan.timeout)
         apply, skipped = unpack_results(pickle.loads(outcome.payload), ns) if outcome.payload else (None, [])
         outcome.skipped = tuple(skipped)
         if apply is not None:

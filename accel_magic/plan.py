@@ -11,6 +11,9 @@ from .runtime import Runtime
 __all__ = ["Request", "Plan", "PlanError", "make_plan", "MIXED_PRECISION", "STRATEGIES"]
 
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
+# Long enough for rank 0 to evaluate or save while the others wait at a barrier; short enough that a rank which
+# skipped a collective does not hang the notebook for torch's 30 minutes.
+DEFAULT_TIMEOUT = 900.0
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 
 
@@ -27,6 +30,7 @@ class Request:
     mixed_precision: str | None = None
     strategy: str = "ddp"
     strict: bool = False
+    timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class Plan:
     threads_per_process: int
     launch: str  # "kernel": the cell runs in the kernel; "fork": forked ranks
     accelerator: str  # "eager": built now; "lazy": built on first use (keeps the kernel CUDA-free)
+    timeout: float = 900.0  # seconds a collective may wait for the other ranks
     notes: tuple[str, ...] = ()
     runtime: Runtime = field(default_factory=Runtime, compare=False)
     request: Request = field(default_factory=Request, compare=False)
@@ -72,6 +77,7 @@ class Plan:
             "threads_per_process": self.threads_per_process,
             "launch": self.launch,
             "accelerator": self.accelerator,
+            "timeout": self.timeout,
             "notes": list(self.notes),
         }
 
@@ -100,6 +106,8 @@ def _validate(request: Request) -> None:
         raise PlanError(
             f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}, not {request.mixed_precision!r}."
         )
+    if request.timeout is not None and not request.timeout > 0:
+        raise PlanError(f"timeout must be a number of seconds above 0, not {request.timeout!r}.")
     if request.strategy not in STRATEGIES:
         raise PlanError(f"strategy must be one of {', '.join(STRATEGIES)}, not {request.strategy!r}.")
 
@@ -272,6 +280,7 @@ def make_plan(runtime: Runtime, request: Request | None = None) -> Plan:
         threads_per_process=threads,
         launch=launch,
         accelerator=accelerator,
+        timeout=req.timeout or DEFAULT_TIMEOUT,
         notes=tuple(notes.items),
         runtime=runtime,
         request=req,
