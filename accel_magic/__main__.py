@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"runtime": asdict(runtime), "plan": plan.to_dict()}, indent=2, default=str))
+        described = asdict(runtime)
+        described["versions"] = dict(runtime.versions)
+        print(json.dumps({"runtime": described, "plan": plan.to_dict()}, indent=2, default=str))
     else:
         print(repr(plan))
     return 0

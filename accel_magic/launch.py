@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["LaunchError", "RankFailure", "LaunchOutcome", "launch", "free_port", "check_port", "cuda_fork_ok"]
+__all__ = ["LaunchError", "RankFailure", "LaunchOutcome", "launch", "free_port", "check_port", "cuda_fork_blocker"]
 
 # Errors a rank raises because another rank died first: never the root cause.
 COLLATERAL = (
@@ -126,19 +126,22 @@ def check_port(port: int) -> bool:
     return True
 
 
-def cuda_fork_ok() -> bool:
-    """Whether a forked child could still use CUDA: a throw-away fork asks torch (initialized or poisoned
-    parents make it a bad fork, which the parent itself cannot see)."""
+def cuda_fork_blocker() -> str | None:
+    """Why a forked child could not use CUDA, or None when it could. A throw-away fork asks torch: a parent
+    that initialized CUDA, or only poisoned it (torch.cuda.get_arch_list(), a plain is_available()), makes a
+    bad fork, which the parent itself cannot see."""
     torch = sys.modules.get("torch")
     if torch is None:
-        return True
+        return None
     if torch.cuda.is_initialized():
-        return False
+        return "CUDA is already initialized in this kernel (a tensor or model on the GPU, or a device query)"
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the throw-away child
-        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+        _REAL_EXIT(1 if torch.cuda._is_in_bad_fork() else 0)
     _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0
+    if os.waitstatus_to_exitcode(status) == 0:
+        return None
+    return "this kernel asked CUDA something that poisons fork (such as torch.cuda.get_arch_list())"
 
 
 # --- what runs in a rank -----------------------------------------------------------------------------------------

@@ -258,14 +258,15 @@ class AccelMagics(Magics):
         from .accelerator import rank_accelerator, rank_environment
         from .cell import rank_body, unpack_results
         from .display import forward_kernel_message, launch_banner, write_rank_text
-        from .launch import check_port, cuda_fork_ok, launch, launch_error
+        from .launch import check_port, cuda_fork_blocker, launch, launch_error
 
         if port is not None and not check_port(port):
             raise UsageError(f"Port {port} is in use: choose another with --port, or leave --port out.")
-        if plan.device == "cuda" and not cuda_fork_ok():
+        blocker = cuda_fork_blocker() if plan.device == "cuda" else None
+        if blocker:
             raise UsageError(
-                "CUDA is already initialized in this kernel, so GPU ranks cannot be forked: restart the kernel, "
-                "run %accel_setup first and keep CUDA work inside %%accel_train cells."
+                f"{blocker}, so GPU ranks cannot be forked: restart the kernel, run %accel_setup first and keep "
+                "CUDA work inside %%accel_train cells."
             )
         ns = self.shell.user_ns
         notebook_ids = {id(v): k for k, v in ns.items() if not k.startswith("_")}

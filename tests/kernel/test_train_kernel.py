@@ -377,3 +377,24 @@ def test_defaults_come_from_config_then_setup_and_own_accelerator_works(kernel_r
     assert "world 2" in cells.text(2)  # %config, without %accel_setup: it set itself up
     assert "own 2 DistributedType.MULTI_CPU" in cells.text(4)  # %accel_setup -n 2, and the cell's own Accelerator
     assert cells.text(5).strip() == "Linear cpu"  # a model prepared in the cell comes back unwrapped
+
+
+def test_output_arrives_while_the_ranks_run(live_kernel) -> None:
+    live_kernel.execute(SETUP)
+    msg_id = live_kernel.kc.execute(
+        "%%accel_train -n 2 --no-return\nimport time\nprint('start', accelerator.process_index)\ntime.sleep(3)\nprint('end')"
+    )
+    arrivals = {}
+    while True:
+        msg = live_kernel.kc.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            for word in ("start 0", "[rank 1] start 1", "end"):
+                if word in msg["content"]["text"]:
+                    arrivals.setdefault(word, time.monotonic())
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            done = time.monotonic()
+            break
+    assert done - arrivals["start 0"] > 2 and done - arrivals["[rank 1] start 1"] > 2
+    assert done - arrivals["end"] < 2

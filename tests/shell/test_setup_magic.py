@@ -180,9 +180,12 @@ def test_fake_gpu_kernel_that_touched_cuda_refuses_to_fork_gpu_ranks(ip, monkeyp
         cpu_budget=4,
     )
     monkeypatch.setattr(magics, "probe", lambda shell=None: fake_two_t4)
-    monkeypatch.setattr(launch, "cuda_fork_ok", lambda: False)
+    monkeypatch.setattr(launch, "cuda_fork_blocker", lambda: "CUDA is already initialized in this kernel (fake)")
     ip.user_ns["keep"] = "mine"
-    with pytest.raises(UsageError, match="CUDA is already initialized in this kernel, so GPU ranks cannot be forked"):
+    with pytest.raises(
+        UsageError,
+        match=r"CUDA is already initialized in this kernel \(fake\), so GPU ranks cannot be forked: restart the kernel",
+    ):
         ip.run_cell_magic("accel_train", "-n 2", "keep = 'changed'")
     assert ip.user_ns["keep"] == "mine"
     with pytest.raises(UsageError, match="add --cpu"):
@@ -198,3 +201,29 @@ def test_train_in_a_shell_without_kernel_runs_ranks_and_brings_names_back(ip, ca
     assert "rank 0" in out and "[rank 1] rank 1" in out
     ip.user_ns.pop("value")
     ip.user_ns.pop("accel_result", None)
+
+
+def test_panel_without_a_kernel_is_text_and_html_only(ip) -> None:
+    from accel_magic.display import WIDGET_VIEW, panel_bundle
+
+    plan = ip.run_line_magic("accel_setup", "--quiet")
+    bundle = panel_bundle(plan)
+    assert WIDGET_VIEW not in bundle
+    assert "backend          gloo" in bundle["text/plain"] and "<table>" in bundle["text/html"]
+
+
+def test_python_m_accel_magic_prints_plan_as_text_and_json_without_secrets(monkeypatch) -> None:
+    import json
+
+    env = dict(os.environ, HF_TOKEN="hf_secret_value_123", WANDB_API_KEY="wandb_secret")
+    text = subprocess.run(
+        [sys.executable, "-m", "accel_magic"], capture_output=True, text=True, env=env, check=True
+    ).stdout
+    assert "backend          gloo" in text
+    raw = subprocess.run(
+        [sys.executable, "-m", "accel_magic", "--json", "-n", "2"], capture_output=True, text=True, env=env, check=True
+    ).stdout
+    data = json.loads(raw)
+    assert data["plan"]["backend"] == "gloo" and data["plan"]["num_processes"] == 2
+    assert data["runtime"]["versions"]["torch"]
+    assert "secret" not in text + raw

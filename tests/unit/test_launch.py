@@ -39,7 +39,7 @@ def test_launch_config_never_asks_cuda_and_logs_in_the_private_dir(tmp_path: Pat
 def test_cuda_fork_check_on_this_cpu_machine_says_yes_and_leaves_no_child() -> None:
     import psutil
 
-    assert launch.cuda_fork_ok() is True
+    assert launch.cuda_fork_blocker() is None
     assert psutil.Process().children() == []
 
 
