@@ -205,6 +205,8 @@ def pack_results(
                 items.append((name, "keep", home, b""))  # the notebook's own dataloader or scheduler
             else:
                 items.append((name, "value", None, pickle.dumps(_to_cpu(original), protocol=pickle.HIGHEST_PROTOCOL)))
+        except MemoryError:
+            raise  # not a property of one value: the sending itself failed
         except Exception as err:
             skipped.append((name, _reason(err)))
     return Packed(tuple(items), tuple(skipped))

@@ -19,10 +19,10 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-__all__ = ["LaunchError", "RankFailure", "LaunchOutcome", "launch", "free_port", "check_port", "cuda_fork_blocker"]
+__all__ = ["LaunchError", "RankFailure", "LaunchOutcome", "launch", "listener", "check_port", "cuda_fork_blocker"]
 
 # Errors a rank raises because another rank died first: never the root cause.
 COLLATERAL = (
@@ -83,6 +83,7 @@ class LaunchOutcome:
     interrupted: bool = False
     agent_error: str = ""
     skipped: tuple[tuple[str, str], ...] = ()
+    ended: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (exit code or -signal, when)
 
     def __repr__(self) -> str:
         status = "ok" if self.ok else ("interrupted" if self.interrupted else "failed")
@@ -100,20 +101,16 @@ class LaunchOutcome:
         """The rank where the failure started: an exception, exit or kill before any collateral error."""
         if not self.failures:
             return None
-        # Ranks that raised or exited come first (their records carry exact times), then timeouts, then ranks
-        # that died without a record (killed, or stopped by the agent), then errors caused by a dead peer.
-        order = {"exception": 0, "exit": 0, "timeout": 1, "signal": 2, "collateral": 3}
-        return min(self.failures, key=lambda f: (order[f.kind], f.when if f.when is not None else 0.0, f.rank))
+
+        # The first to fail, by the time its record was written or its process was seen to end; errors that a
+        # dead peer caused come last whatever their time, and so do ends nobody saw.
+        def key(f: RankFailure) -> tuple[bool, bool, float, int]:
+            return (f.kind == "collateral", f.when is None, f.when or 0.0, f.rank)
+
+        return min(self.failures, key=key)
 
 
 # --- ports and fork checks ---------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A free TCP port on loopback, chosen now (never the fixed 29500 that one failed launch poisons)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_port(port: int) -> bool:
@@ -151,10 +148,10 @@ def cuda_fork_blocker() -> str | None:
 class _Pipes:
     out: list[tuple[int, int]]
     err: list[tuple[int, int]]
-    msg: tuple[int, int]
+    msg: list[tuple[int, int]]  # per rank: a hello with its pid; rank 0 also its kernel messages
 
     def all_fds(self) -> list[int]:
-        return [fd for pair in self.out + self.err + [self.msg] for fd in pair]
+        return [fd for pair in self.out + self.err + self.msg for fd in pair]
 
 
 def _frame(obj: Any) -> bytes:
@@ -223,10 +220,10 @@ class _Rank:
     """Everything a rank needs, inherited through fork."""
 
     def __init__(self, body: Callable[[int], bytes | None], pipes: _Pipes, workdir: str, env: dict[str, str],
-                 threads: int, backend: str, timeout: float, cell_filename: str, listen_fds: list[int]):  # fmt: skip
+                 threads: int, backend: str, timeout: float, cell_filename: str, port: int):  # fmt: skip
         self.body, self.pipes, self.workdir, self.env = body, pipes, workdir, env
         self.threads, self.backend, self.timeout, self.cell_filename = threads, backend, timeout, cell_filename
-        self.listen_fds = listen_fds
+        self.port = port
 
     def path(self, kind: str, rank: int) -> str:
         return os.path.join(self.workdir, f"{kind}-{rank}")
@@ -237,11 +234,21 @@ class _Rank:
             pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, self.path(kind, rank))
 
+    def _rendezvous_fds(self) -> list[int]:
+        """The kernel's rendezvous store sockets, which a rank inherits and must not keep listening."""
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            conns = psutil.Process().net_connections()
+            return [c.fd for c in conns if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.port]
+        return []
+
     def _redirect(self, rank: int) -> None:
         os.dup2(self.pipes.out[rank][1], 1)
         os.dup2(self.pipes.err[rank][1], 2)
-        msg_w = os.dup(self.pipes.msg[1]) if rank == 0 else -1
-        for fd in self.pipes.all_fds() + self.listen_fds:
+        msg_w = os.dup(self.pipes.msg[rank][1])
+        os.write(msg_w, _frame({"hello": os.getpid()}))  # the kernel watches this pid from now on
+        for fd in self.pipes.all_fds() + self._rendezvous_fds():
             with contextlib.suppress(OSError):
                 os.close(fd)
         # Fresh streams on the new fds: the kernel's stream objects hold locks its threads may have held at fork.
@@ -293,6 +300,11 @@ class _Rank:
             if not dist.is_initialized():
                 dist.init_process_group(self.backend, timeout=timedelta(seconds=self.timeout))
             payload = self.body(rank)
+            if payload is not None:
+                tmp = self.path("results", rank) + ".tmp"
+                with open(tmp, "wb") as f:
+                    f.write(payload)
+                os.replace(tmp, self.path("results", rank))
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             if code == 0:
@@ -308,9 +320,6 @@ class _Rank:
             tb = "" if getattr(err, "no_traceback", False) else _render_rank_traceback(err, self.cell_filename)
             self._write("error", rank, RankFailure(rank, 1, kind, summary, tb, time.time()))
             return 1
-        if payload is not None:
-            with open(self.path("results", rank), "wb") as f:
-                f.write(payload)
         self._write("status", rank, {"duration": time.time() - start})
         return 0
 
@@ -328,19 +337,60 @@ class _Rank:
 # --- the parent's side -------------------------------------------------------------------------------------------
 
 
-def _launch_config(nprocs: int, port: int, log_dir: str, monitor: float) -> Any:
+LOOPBACK_BACKEND = "accel_magic_loopback"
+_store_took: set[int] = set()  # listening fds a TCP store took over (it closes them itself)
+
+
+def _create_loopback_handler(params: Any) -> Any:
+    """torch's static rendezvous, with its TCP store serving on a socket already bound to 127.0.0.1 (left to
+    itself it listens on every interface)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import create_rdzv_handler
+
+    fd = int(params.config.pop("listen_fd"))
+    handler = create_rdzv_handler(params)
+    handler._store = TCPStore(
+        handler.master_addr,
+        handler.master_port,
+        handler.world_size,
+        True,
+        timedelta(seconds=handler.timeout.total_seconds()),
+        master_listen_fd=fd,
+    )
+    _store_took.add(fd)
+    handler.get_backend = lambda: LOOPBACK_BACKEND  # the registry checks the name it was asked for
+    return handler
+
+
+def _loopback_rendezvous_supported() -> bool:
+    """torch's TCP store takes a pre-bound listening socket on recent releases; feature-detect it."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+
+    if "master_listen_fd" not in (TCPStore.__init__.__doc__ or ""):
+        return False
+    registry._registry[LOOPBACK_BACKEND] = _create_loopback_handler  # reload-safe, unlike register()
+    return True
+
+
+def _launch_config(nprocs: int, port: int, log_dir: str, monitor: float, listen_fd: int | None) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
     names = {f.name for f in fields(LaunchConfig)}
+    rdzv_configs: dict[str, Any] = {"rank": 0, "timeout": 60}
+    if listen_fd is not None:
+        rdzv_configs["listen_fd"] = listen_fd
     kwargs: dict[str, Any] = dict(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nprocs,
         run_id=f"accel_magic_{os.getpid()}_{port}",
         rdzv_endpoint=f"127.0.0.1:{port}",
-        rdzv_backend="static",
-        rdzv_configs={"rank": 0, "timeout": 60},
+        rdzv_backend=LOOPBACK_BACKEND if listen_fd is not None else "static",
+        rdzv_configs=rdzv_configs,
         max_restarts=0,
         monitor_interval=monitor,
         start_method="fork",
@@ -357,6 +407,19 @@ def _launch_config(nprocs: int, port: int, log_dir: str, monitor: float) -> Any:
     if numa:
         config.numa_options = None
     return config
+
+
+def listener(port: int | None) -> socket.socket:
+    """The rendezvous socket, bound to 127.0.0.1 now (port None: a free one), so no other launch or program
+    can take the port between choosing and using it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port or 0))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _run_agent(config: Any, entry: Callable[[], None], outcome: LaunchOutcome) -> None:
@@ -441,13 +504,36 @@ class _Relay:
         for rank, (r, _) in enumerate(pipes.err):
             os.set_blocking(r, False)
             self.sel.register(r, selectors.EVENT_READ, (rank, "stderr"))
-        os.set_blocking(pipes.msg[0], False)
-        self.sel.register(pipes.msg[0], selectors.EVENT_READ, (0, "msg"))
-        self.msg_buffer = b""
+        for rank, (r, _) in enumerate(pipes.msg):
+            os.set_blocking(r, False)
+            self.sel.register(r, selectors.EVENT_READ, (rank, "msg"))
+        self.msg_buffers: dict[int, bytes] = {}
+        self.ended: dict[int, tuple[int, float]] = {}  # rank -> (exit code or -signal, when it ended)
+
+    def watch(self, rank: int, pid: int) -> bool:
+        """Wake when the rank's process ends, to read how and when before anyone reaps it."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # no pidfd here, or already reaped
+            return False
+        self.sel.register(pidfd, selectors.EVENT_READ, (rank, "exit"))
+        return True
+
+    def _ended(self, rank: int, pidfd: int) -> None:
+        self.sel.unregister(pidfd)
+        with contextlib.suppress(OSError):
+            info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+            if info is not None:
+                code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+                self.ended.setdefault(rank, (code, time.time()))
+        os.close(pidfd)
 
     def poll(self, timeout: float) -> None:
         for key, _ in self.sel.select(timeout):
             rank, stream = key.data
+            if stream == "exit":
+                self._ended(rank, key.fd)
+                continue
             try:
                 data = os.read(key.fd, 1 << 16)
             except BlockingIOError:
@@ -456,23 +542,35 @@ class _Relay:
                 self.sel.unregister(key.fd)
                 continue
             if stream == "msg":
-                self._messages(data)
+                self._messages(rank, data)
             else:
                 text = self.lines.feed(rank, stream, data)
                 if text:
                     self.on_text(rank, stream, text)
 
-    def _messages(self, data: bytes) -> None:
-        self.msg_buffer += data
-        while len(self.msg_buffer) >= 4:
-            (size,) = struct.unpack("!I", self.msg_buffer[:4])
-            if len(self.msg_buffer) < 4 + size:
-                return
-            frame, self.msg_buffer = self.msg_buffer[4 : 4 + size], self.msg_buffer[4 + size :]
+    def _messages(self, rank: int, data: bytes) -> None:
+        buffer = self.msg_buffers.get(rank, b"") + data
+        while len(buffer) >= 4:
+            (size,) = struct.unpack("!I", buffer[:4])
+            if len(buffer) < 4 + size:
+                break
+            frame, buffer = buffer[4 : 4 + size], buffer[4 + size :]
             with contextlib.suppress(Exception):
-                self.on_message(pickle.loads(frame))
+                message = pickle.loads(frame)
+                if "hello" in message:
+                    self.watch(rank, message["hello"])
+                elif rank == 0:
+                    self.on_message(message)
+        self.msg_buffers[rank] = buffer
+
+    def close_watches(self) -> None:
+        for key in list(self.sel.get_map().values()):
+            if key.data[1] == "exit":
+                self.sel.unregister(key.fd)
+                os.close(key.fd)
 
     def drain(self) -> None:
+        self.close_watches()
         for _ in range(1000):
             if not self.sel.get_map() or not self.sel.select(0):
                 break
@@ -501,13 +599,18 @@ def launch(
     started = time.perf_counter()
     known = {p.pid for p in _descendants(set())}
     workdir = tempfile.mkdtemp(prefix="accel_magic-")  # 0700, unguessable name, removed below
-    pipes = _Pipes([os.pipe() for _ in range(nprocs)], [os.pipe() for _ in range(nprocs)], os.pipe())
-    rank = _Rank(body, pipes, workdir, env, threads, backend, timeout, cell_filename, [])
+    pipes = _Pipes(*([os.pipe() for _ in range(nprocs)] for _ in range(3)))
+    sock = listener(port)
+    port = sock.getsockname()[1]
+    fd = sock.detach() if _loopback_rendezvous_supported() else None
+    if fd is None:
+        sock.close()  # an older torch: its static store binds the port itself
+    rank = _Rank(body, pipes, workdir, env, threads, backend, timeout, cell_filename, port)
     relay = _Relay(pipes, on_text, on_message)
     agent: threading.Thread | None = None
     try:
         with _kernel_state_kept():
-            config = _launch_config(nprocs, port or free_port(), os.path.join(workdir, "logs"), 0.05)
+            config = _launch_config(nprocs, port, os.path.join(workdir, "logs"), 0.05, fd)
 
             def accel_train() -> None:  # torch's agent names its entrypoint after the function
                 rank()
@@ -523,10 +626,14 @@ def launch(
                 _stop(_descendants(known))
                 agent.join(10)
             relay.drain()
+            outcome.ended = relay.ended
     finally:
-        for fd in pipes.all_fds():
+        for pipe_fd in pipes.all_fds():
             with contextlib.suppress(OSError):
-                os.close(fd)
+                os.close(pipe_fd)
+        if fd is not None and fd not in _store_took:
+            os.close(fd)  # the store was never made: the socket is still ours
+        _store_took.discard(fd)  # type: ignore[arg-type]
         leftovers = _descendants(known)
         if leftovers:
             _stop(leftovers)
@@ -557,6 +664,9 @@ def _abrupt(rank: int, code: int | None) -> RankFailure:
 
 def _collect(outcome: LaunchOutcome, rank: _Rank, nprocs: int) -> None:
     failed = bool(outcome.agent_error) or any(outcome.exitcodes.get(r) for r in range(nprocs))
+    failed = failed or any(code for code, _ in outcome.ended.values())
+    for r, (code, _) in outcome.ended.items():
+        outcome.exitcodes[r] = code
     for r in range(nprocs):
         status = _load(rank.path("status", r))
         if status is not None:
@@ -565,7 +675,8 @@ def _collect(outcome: LaunchOutcome, rank: _Rank, nprocs: int) -> None:
         if error is not None:
             outcome.failures.append(error)
         elif status is None and (failed or outcome.exitcodes.get(r)) and _load(rank.path("started", r)):
-            outcome.failures.append(_abrupt(r, outcome.exitcodes.get(r)))
+            code, when = outcome.ended.get(r, (outcome.exitcodes.get(r), None))
+            outcome.failures.append(replace(_abrupt(r, code), when=when))
     if outcome.ok:
         with contextlib.suppress(OSError), open(rank.path("results", 0), "rb") as f:
             outcome.payload = f.read()

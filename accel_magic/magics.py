@@ -258,7 +258,7 @@ class AccelMagics(Magics):
         from .accelerator import rank_accelerator, rank_environment
         from .cell import rank_body, unpack_results
         from .display import forward_kernel_message, launch_banner, write_rank_text
-        from .launch import check_port, cuda_fork_blocker, launch, launch_error
+        from .launch import LaunchError, check_port, cuda_fork_blocker, launch, launch_error
 
         if port is not None and not check_port(port):
             raise UsageError(f"Port {port} is in use: choose another with --port, or leave --port out.")
@@ -297,7 +297,16 @@ class AccelMagics(Magics):
             raise KeyboardInterrupt
         if not outcome.ok:
             raise launch_error(outcome, plan.timeout)
-        apply, skipped = unpack_results(pickle.loads(outcome.payload), ns) if outcome.payload else (None, [])
+        packed, unreadable = None, ""
+        try:
+            packed = pickle.loads(outcome.payload) if outcome.payload else None
+        except Exception as err:  # a damaged transfer: nothing is applied
+            unreadable = f"{type(err).__name__}: {err}"
+        if unreadable:
+            raise LaunchError(
+                f"rank 0's results could not be read back ({unreadable}); nothing in the notebook changed."
+            )
+        apply, skipped = unpack_results(packed, ns) if packed is not None else (None, [])
         outcome.skipped = tuple(skipped)
         if apply is not None:
             apply()

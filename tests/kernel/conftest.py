@@ -38,6 +38,15 @@ def run_cells(*sources: str, timeout: int = 300, allow_errors: bool = False) -> 
     return Cells(nb)
 
 
+@pytest.fixture(autouse=True)
+def private_tmpdir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Each test's kernel gets its own temp folder (the kernel inherits TMPDIR), so what a launch leaves
+    behind is told apart from other programs' files."""
+    path = tmp_path_factory.mktemp("kernel_tmp")
+    monkeypatch.setenv("TMPDIR", str(path))
+    return path
+
+
 @pytest.fixture
 def kernel_run():
     return run_cells

@@ -286,7 +286,7 @@ def test_interrupt_stops_every_rank_within_seconds(live_kernel) -> None:
 
 def test_nothing_is_left_behind_after_good_and_bad_launches(kernel_run) -> None:
     snapshot = (
-        "import os, glob, signal, psutil, time\n"
+        "import os, glob, signal, psutil, tempfile, time\n"
         "def snapshot():\n"
         "    time.sleep(0.2)\n"
         "    me = psutil.Process()\n"
@@ -294,7 +294,7 @@ def test_nothing_is_left_behind_after_good_and_bad_launches(kernel_run) -> None:
         "            [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGINT)],\n"
         "            sorted(c.laddr for c in me.net_connections() if c.status == 'LISTEN'),\n"
         "            me.children(recursive=True),\n"
-        "            sorted(glob.glob('/tmp/torchelastic_*') + glob.glob('/tmp/accel_magic-*')))\n"
+        "            sorted(glob.glob(tempfile.gettempdir() + '/torchelastic_*') + glob.glob(tempfile.gettempdir() + '/accel_magic-*')))\n"
     )
     cells = kernel_run(
         SETUP,

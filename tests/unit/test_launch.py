@@ -8,16 +8,20 @@ from pathlib import Path
 import pytest
 
 from accel_magic import launch
-from accel_magic.launch import LaunchOutcome, RankFailure, check_port, free_port, launch_error
+from accel_magic.launch import LaunchOutcome, RankFailure, check_port, launch_error, listener
 
 
-def test_free_port_is_bindable_on_loopback_and_check_port_sees_a_taken_one() -> None:
-    port = free_port()
-    assert port != 29500 and check_port(port)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
-        s.listen()
+def test_the_rendezvous_socket_is_a_fresh_port_on_loopback_and_check_port_sees_it_taken() -> None:
+    with listener(None) as sock:
+        host, port = sock.getsockname()
+        assert host == "127.0.0.1" and port != 29500
         assert not check_port(port)
+    assert check_port(port)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        with pytest.raises(OSError):
+            listener(other.getsockname()[1])
 
 
 def test_launch_config_never_asks_cuda_and_logs_in_the_private_dir(tmp_path: Path, monkeypatch) -> None:
@@ -29,7 +33,7 @@ def test_launch_config_never_asks_cuda_and_logs_in_the_private_dir(tmp_path: Pat
     monkeypatch.setattr(torch.cuda, "is_available", poisoned)
     monkeypatch.setattr(torch.cuda, "device_count", poisoned)
     before = set(Path("/tmp").glob("torchelastic_*"))
-    config = launch._launch_config(2, free_port(), str(tmp_path / "logs"), 0.05)
+    config = launch._launch_config(2, 29999, str(tmp_path / "logs"), 0.05, None)
     assert config.start_method == "fork" and config.max_restarts == 0
     assert config.rdzv_endpoint.startswith("127.0.0.1:")
     assert getattr(config, "numa_options", None) is None
