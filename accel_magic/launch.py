@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import pickle
+import queue
 import re
 import selectors
 import shutil
@@ -20,6 +21,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from typing import Any
 
 __all__ = ["LaunchError", "RankFailure", "LaunchOutcome", "launch", "listener", "check_port", "cuda_fork_blocker"]
@@ -276,7 +278,6 @@ class _Rank:
         try:
             self._write("started", rank, os.getpid())
             self._redirect(rank)
-            self._record_os_exit(rank)
             os.environ.update(self.env)
             exit_code = self._run(rank, start)
         except BaseException:  # the rank must never unwind into the kernel's code
@@ -299,7 +300,12 @@ class _Rank:
 
             if not dist.is_initialized():
                 dist.init_process_group(self.backend, timeout=timedelta(seconds=self.timeout))
-            payload = self.body(rank)
+            real_exit = os._exit
+            self._record_os_exit(rank)
+            try:
+                payload = self.body(rank)
+            finally:
+                os._exit = real_exit
             if payload is not None:
                 tmp = self.path("results", rank) + ".tmp"
                 with open(tmp, "wb") as f:
@@ -420,6 +426,53 @@ def listener(port: int | None) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+class _AgentThread:
+    """One daemon thread, kept for the kernel's life, runs every launch's agent. It forks the ranks, and a
+    kernel gives each thread that touches its output streams (fork flushes them) resources of its own; a
+    daemon thread is also never joined at exit, which a forked rank (whose main thread it becomes) would try."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="accel_magic-agent", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            job()
+
+    def submit(self, job: Callable[[], None]) -> threading.Event:
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                job()
+            finally:
+                done.set()
+
+        self.jobs.put(run)
+        return done
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+
+_agent: _AgentThread | None = None
+
+
+def _agent_thread() -> _AgentThread:
+    global _agent
+    if _agent is None or not _agent.thread.is_alive():
+        _agent = _AgentThread()
+    return _agent
+
+
+def shutdown_agent_thread() -> None:
+    global _agent
+    if _agent is not None:
+        _agent.stop()
+        _agent = None
 
 
 def _run_agent(config: Any, entry: Callable[[], None], outcome: LaunchOutcome) -> None:
@@ -607,7 +660,6 @@ def launch(
         sock.close()  # an older torch: its static store binds the port itself
     rank = _Rank(body, pipes, workdir, env, threads, backend, timeout, cell_filename, port)
     relay = _Relay(pipes, on_text, on_message)
-    agent: threading.Thread | None = None
     try:
         with _kernel_state_kept():
             config = _launch_config(nprocs, port, os.path.join(workdir, "logs"), 0.05, fd)
@@ -615,16 +667,15 @@ def launch(
             def accel_train() -> None:  # torch's agent names its entrypoint after the function
                 rank()
 
-            agent = threading.Thread(target=_run_agent, args=(config, accel_train, outcome), daemon=True)
-            agent.start()
+            done = _agent_thread().submit(partial(_run_agent, config, accel_train, outcome))
             del config
             try:
-                while agent.is_alive():
+                while not done.is_set():
                     relay.poll(0.05)
             except KeyboardInterrupt:
                 outcome.interrupted = True
                 _stop(_descendants(known))
-                agent.join(10)
+                done.wait(10)
             relay.drain()
             outcome.ended = relay.ended
     finally:
