@@ -29,6 +29,23 @@ class CellCode:
     filename: str
     code: CodeType
     bound: tuple[str, ...]
+    magics: tuple[tuple[str, str], ...] = ()  # ("line" or "cell", name) of the magics the cell calls
+
+
+def magics_called(tree: ast.Module) -> tuple[tuple[str, str], ...]:
+    """The magics that IPython's transformed source calls (get_ipython().run_line_magic('name', ...))."""
+    found: dict[tuple[str, str], None] = {}
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("run_line_magic", "run_cell_magic")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.setdefault(("line" if node.func.attr == "run_line_magic" else "cell", node.args[0].value), None)
+    return tuple(found)
 
 
 class _Bindings(ast.NodeVisitor):
@@ -128,7 +145,7 @@ def compile_cell(raw: str, transform: Callable[[str], str] = lambda s: s) -> Cel
         text = f" ({err.text.strip()})" if err.text and err.text.strip() else ""
         raise CellError(f"Syntax error at {where}{text}: {err.msg}; nothing was launched.") from None
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    return CellCode(source, filename, code, top_level_names(tree))
+    return CellCode(source, filename, code, top_level_names(tree), magics_called(tree))
 
 
 # --- results -------------------------------------------------------------------------------------------------

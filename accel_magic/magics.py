@@ -9,6 +9,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.utils.process import arg_split
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, validate
 
 from .plan import DEFAULT_TIMEOUT, MIXED_PRECISION, STRATEGIES, Plan, PlanError, Request, make_plan
@@ -45,9 +46,18 @@ def _choice(value: str | None, choices: tuple[str, ...], option: str) -> str | N
 
 def _parse(magic: Any, line: str, name: str) -> Any:
     try:
-        return parse_argstring(magic, line)
+        args = parse_argstring(magic, line)
     except UsageError as err:
         raise UsageError(f"%{name}: {str(err).rstrip('.')}; see %{name}? for the options.") from None
+    seen: dict[str, str] = {}
+    for token in arg_split(line):
+        action = magic.parser._option_string_actions.get(token.split("=", 1)[0])
+        if action is None:
+            continue
+        if action.dest in seen:
+            raise UsageError(f"%{name}: {seen[action.dest]} is given twice: give each option once.")
+        seen[action.dest] = "/".join(action.option_strings)
+    return args
 
 
 def _positive_float(value: str | None, option: str) -> float | None:
@@ -220,6 +230,13 @@ class AccelMagics(Magics):
             plan = make_plan(runtime, request)
         except (PlanError, CellError) as err:
             raise UsageError(str(err)) from None
+        for kind, magic in code.magics:
+            if self.shell.find_magic(magic, kind) is None:
+                sign = "%" if kind == "line" else "%%"
+                raise UsageError(
+                    f"The cell uses {sign}{magic}, which is not a magic here: check its name, or load its extension "
+                    "in an earlier cell; nothing was launched."
+                )
         returns = _returns(args, code.bound)
         if plan.launch == "kernel":
             if self.plan is None or self.plan.request != request:

@@ -1,0 +1,129 @@
+"""Hostile input to both magics: every option with wrong types, out-of-range values, duplicates and unknown
+flags, and hostile cells. Each ends in one clear sentence and loses nothing in the namespace."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+from IPython import get_ipython
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import start_ipython
+
+start_ipython()
+
+SETUP_LINES = [
+    ("-n", ["", "0", "-1", "abc", "1.5", "99999999999999999999x"]),
+    ("--num-processes", ["0", "two"]),
+    ("--mixed-precision", ["fp17", "1", "''"]),
+    ("--strategy", ["zero3", "DDP2"]),
+    ("--name", ["1abc", "class", "a-b", "''"]),
+]
+TRAIN_LINES = [
+    ("-n", ["0", "-1", "abc"]),
+    ("--mixed-precision", ["int4"]),
+    ("--timeout", ["-1", "0", "abc", "nan", "inf"]),
+    ("--port", ["0", "70000", "-5", "http"]),
+    ("--max-return-mb", ["0", "-3", "lots"]),
+    ("--return", ["not_bound", "x,,y_unbound"]),
+]
+SETUP_CASES = [(f"{opt} {val}".strip(), "accel_setup") for opt, vals in SETUP_LINES for val in vals]
+SETUP_CASES += [
+    ("--bogus", "accel_setup"),
+    ("positional", "accel_setup"),
+    ("-n 2 -n 3", "accel_setup"),
+    ("-n 2 --num-processes 3", "accel_setup"),
+    ("--cpu --cpu", "accel_setup"),
+    ("--strategy fsdp --strict", "accel_setup"),
+    ("--mixed-precision fp16 --strict", "accel_setup"),
+    ("--name keep", "accel_setup"),
+    ("--strategy", "accel_setup"),
+]
+TRAIN_CASES = [(f"{opt} {val}", "accel_train") for opt, vals in TRAIN_LINES for val in vals]
+TRAIN_CASES += [
+    ("-n 2 --bogus", "accel_train"),
+    ("--timeout 5 --timeout 6", "accel_train"),
+    ("--no-return --return x", "accel_train"),
+    ("--strategy fsdp", "accel_train"),  # a setup-only option
+    ("-n 2 --port", "accel_train"),
+]
+
+
+@pytest.fixture
+def ip():
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "accel_magic")
+    shell.user_ns["keep"] = ["precious", {"nested": 1}]
+    yield shell
+    shell.run_line_magic("unload_ext", "accel_magic")
+    for name in ("keep", "accelerator", "x"):
+        shell.user_ns.pop(name, None)
+
+
+def assert_one_sentence(message: str) -> None:
+    assert message and "\n" not in message and "Traceback" not in message, message
+    assert message.rstrip().endswith("."), message
+
+
+@pytest.mark.parametrize(
+    ("line", "magic"), SETUP_CASES + TRAIN_CASES, ids=[f"%{m} {line}" for line, m in SETUP_CASES + TRAIN_CASES]
+)
+def test_bad_option_is_one_sentence_and_loses_nothing(ip, line: str, magic: str) -> None:
+    before = dict(ip.user_ns)
+    with pytest.raises(UsageError) as info:
+        if magic == "accel_setup":
+            ip.run_line_magic(magic, line)
+        else:
+            ip.run_cell_magic(magic, line, "x = 1\ny = 2")
+    assert_one_sentence(str(info.value))
+    assert ip.user_ns == before
+
+
+CELLS = [
+    ("a syntax error", "x = = 1"),
+    ("an unclosed bracket at the end", "x = [1,\n"),
+    ("only comments", "# one\n# two"),
+    ("only blank lines", "\n\n   \n"),
+    ("a NUL character", "x = 1\x00"),
+    ("a lone surrogate", "x = '\udcff'"),
+    ("top-level await", "import asyncio\nawait asyncio.sleep(0)"),
+    ("a bad magic inside", "%this_magic_does_not_exist\nx = 1"),
+]
+
+
+@pytest.mark.parametrize("cell", [c[1] for c in CELLS], ids=[c[0] for c in CELLS])
+def test_hostile_cell_is_one_sentence_and_loses_nothing(ip, cell: str) -> None:
+    before = dict(ip.user_ns)
+    with pytest.raises(UsageError) as info:
+        ip.run_cell_magic("accel_train", "-n 2", cell)
+    assert_one_sentence(str(info.value))
+    assert ip.user_ns == before
+
+
+def test_a_megabyte_cell_runs(ip) -> None:
+    ip.run_cell_magic("accel_train", "-n 2 --return x", "x = 0\n" + "x += 1\n" * 150_000)
+    assert ip.user_ns["x"] == 150_000
+
+
+def test_no_shell_is_ever_invoked_with_text() -> None:
+    """The package starts processes only with argument lists: no shell=True, os.system or os.popen."""
+    package = pathlib.Path(__file__).parents[2] / "accel_magic"
+    offenders = []
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.keyword) and node.arg == "shell" and isinstance(node.value, ast.Constant):
+                offenders.append(f"{path.name}:{node.value.lineno} shell={node.value.value}")
+            if isinstance(node, ast.Attribute) and node.attr in ("system", "popen", "getoutput", "getstatusoutput"):
+                offenders.append(f"{path.name}:{node.lineno} {node.attr}")
+    assert offenders == []
+
+
+def test_panel_shows_no_environment_secrets(ip, monkeypatch: pytest.MonkeyPatch) -> None:
+    from accel_magic.display import panel_bundle
+
+    monkeypatch.setenv("HF_TOKEN", "hf_verysecret")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws_verysecret")
+    plan = ip.run_line_magic("accel_setup", "--quiet")
+    bundle = panel_bundle(plan)
+    assert "verysecret" not in bundle["text/plain"] + bundle["text/html"] + repr(plan.to_dict())
