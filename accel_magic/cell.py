@@ -189,12 +189,13 @@ def pack_results(
     ns: Mapping[str, Any],
     names: Iterable[str],
     prepared: Mapping[int, Any],
-    notebook_ids: Mapping[int, str],
+    notebook: Mapping[int, tuple[str, Any]],
 ) -> Packed:
     """Pack rank 0's results.
 
-    ``prepared`` maps id(what accelerator.prepare returned) to what it was given; ``notebook_ids`` maps
-    id(object) to its name in the notebook before the launch (fork keeps identities). Models and optimizers
+    ``prepared`` maps id(what accelerator.prepare returned) to what it was given; ``notebook`` maps
+    id(object) to (its name in the notebook before the launch, the object): fork keeps identities, and holding
+    the objects keeps their ids from being reused in the rank. Models and optimizers
     that came from the notebook go back as state to load into the notebook's own objects; dataloaders and
     schedulers from the notebook stay as they were; everything else is moved to the CPU and pickled.
     """
@@ -212,7 +213,8 @@ def pack_results(
             items.append((name, "import", value.__name__, b""))
             continue
         original = prepared.get(id(value), value)
-        home = notebook_ids.get(id(original))
+        name_and_object = notebook.get(id(original))
+        home = name_and_object[0] if name_and_object is not None and name_and_object[1] is original else None
         try:
             if home is not None and isinstance(original, torch.nn.Module):
                 items.append((name, "load_state", home, pickle.dumps(_to_cpu(original.state_dict()))))
@@ -315,7 +317,7 @@ def rank_body(
     make_accelerator: Callable[[], Any],
     name: str,
     returns: tuple[str, ...],
-    notebook_ids: Mapping[int, str],
+    notebook: Mapping[int, tuple[str, Any]],
     max_bytes: int,
 ) -> Callable[[int], bytes | None]:
     """The function each rank runs: a fresh accelerator, the cell in the rank's copy of the namespace, and on
@@ -328,7 +330,7 @@ def rank_body(
         exec(cell.code, ns)
         if rank != 0 or not returns:
             return None
-        packed = pack_results(ns, returns, prepared, notebook_ids)
+        packed = pack_results(ns, returns, prepared, notebook)
         if packed.nbytes > max_bytes:
             biggest = ", ".join(f"{n} {size / 2**20:.1f} MB" for n, size in packed.biggest())
             raise ResultsTooLarge(

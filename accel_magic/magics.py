@@ -286,14 +286,14 @@ class AccelMagics(Magics):
                 "CUDA work inside %%accel_train cells."
             )
         ns = self.shell.user_ns
-        notebook_ids = {id(v): k for k, v in ns.items() if not k.startswith("_")}
+        notebook = {id(v): (k, v) for k, v in ns.items() if not k.startswith("_")}
         body = rank_body(
             code,
             ns,
             make_accelerator=partial(rank_accelerator, plan),
             name=self.accelerator_name,
             returns=returns,
-            notebook_ids=notebook_ids,
+            notebook=notebook,
             max_bytes=max_bytes,
         )
         print(launch_banner(plan))
@@ -309,7 +309,7 @@ class AccelMagics(Magics):
             on_message=forward_kernel_message,
             port=port,
         )
-        del body, notebook_ids
+        del body, notebook
         if outcome.interrupted:
             raise KeyboardInterrupt
         if not outcome.ok:

@@ -78,7 +78,12 @@ def test_results_map_back_to_the_notebook_objects_all_at_once() -> None:
     trained = torch.nn.Linear(2, 2)
     rank_ns = {"model": wrapped_model, "opt": wrapped_opt, "dl": wrapped_dl, "keep": "new", "new_tensor": torch.ones(2)}
     prepared = {id(wrapped_model): trained, id(wrapped_opt): opt, id(wrapped_dl): loader}
-    ids = {id(model): "model", id(opt): "opt", id(loader): "dl", id(trained): "model"}
+    ids = {
+        id(model): ("model", model),
+        id(opt): ("opt", opt),
+        id(loader): ("dl", loader),
+        id(trained): ("model", trained),
+    }
     packed = pickle.loads(pickle.dumps(pack_results(rank_ns, list(rank_ns), prepared, ids)))
     apply, skipped = unpack_results(packed, notebook)
     assert notebook["keep"] == "old" and skipped == []  # nothing changes before apply()
@@ -92,7 +97,7 @@ def test_a_state_that_does_not_fit_is_skipped_before_anything_changes() -> None:
     model = torch.nn.Linear(2, 2)
     notebook = {"model": model, "other": 1}
     bigger = torch.nn.Linear(3, 2)
-    packed = pack_results({"model": bigger, "other": 2}, ["model", "other"], {}, {id(bigger): "model"})
+    packed = pack_results({"model": bigger, "other": 2}, ["model", "other"], {}, {id(bigger): ("model", bigger)})
     apply, skipped = unpack_results(packed, notebook)
     assert [name for name, _ in skipped] == ["model"] and "changed shape" in skipped[0][1]
     apply()
@@ -105,3 +110,12 @@ def test_unpicklable_values_are_listed_not_fatal() -> None:
     packed = pack_results({"lock": threading.Lock(), "ok": 1}, ["lock", "ok"], {}, {})
     assert [n for n, *_ in packed.items] == ["ok"]
     assert packed.skipped[0][0] == "lock" and "pickle" in packed.skipped[0][1]
+
+
+def test_an_object_made_in_the_rank_is_never_taken_for_a_notebook_object_with_the_same_id() -> None:
+    """Ids of freed objects are reused: a new object at a notebook object's old address is a new value."""
+    notebook_model = torch.nn.Linear(2, 2)
+    made_in_rank = torch.nn.Linear(3, 3)
+    stale = {id(made_in_rank): ("accelerator", notebook_model)}  # same id, another object
+    packed = pack_results({"layer": made_in_rank}, ["layer"], {}, stale)
+    assert [(name, action) for name, action, *_ in packed.items] == [("layer", "value")]

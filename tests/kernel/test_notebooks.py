@@ -1,0 +1,88 @@
+"""The teaching notebooks run top to bottom in a real kernel and show what their text says."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).parents[2] / "notebooks"
+ACCURACY = 0.85  # digits with a small MLP reach about 0.9
+
+
+def execute(name: str) -> tuple[list[str], float]:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    start = time.monotonic()
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    took = time.monotonic() - start
+    texts = []
+    for cell in nb.cells:
+        parts = []
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            parts.append(out.get("text", "") or out.get("data", {}).get("text/plain", ""))
+        texts.append("\n".join(parts))
+    print(f"{name}: ran in {took:.1f} s")
+    return texts, took
+
+
+def find(texts: list[str], pattern: str) -> re.Match[str]:
+    for text in texts:
+        match = re.search(pattern, text, re.M)
+        if match:
+            return match
+    raise AssertionError(f"{pattern!r} not in the notebook's outputs")
+
+
+def test_every_notebook_starts_with_a_conditional_install_that_does_not_import_google_colab() -> None:
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+        first = "".join(cells[0]["source"])
+        assert 'find_spec("accel_magic") is None' in first and "pip" in first, path.name
+        assert "%load_ext accel_magic" in first and "google.colab" not in path.read_text(), path.name
+
+
+def test_01_quickstart_trains_a_classifier() -> None:
+    texts, _ = execute("01_quickstart.ipynb")
+    assert find(texts, r"^cpu gloo 1$")
+    assert float(find(texts, r"test accuracy: ([\d.]+)").group(1)) > ACCURACY
+
+
+def test_02_ddp_on_cpu_shows_shards_averaging_identical_weights_and_gathered_metrics() -> None:
+    texts, _ = execute("02_ddp_on_cpu.ipynb")
+    labels0 = find(texts, r"^rank 0 of 2: 14 batches per epoch, first labels (\[.*\])$").group(1)
+    labels1 = find(texts, r"^\[rank 1\] rank 1 of 2: 14 batches per epoch, first labels (\[.*\])$").group(1)
+    assert labels0 != labels1  # each rank sees its own shard
+    assert find(texts, r"^the ranks' own gradients differ: True$")
+    assert find(texts, r"^after all-reduce every rank holds their mean: True$")
+    assert find(texts, r"^rank 0: largest difference from rank 0's weights: 0\.0$")
+    assert find(texts, r"^\[rank 1\] rank 1: largest difference from rank 0's weights: 0\.0$")
+    gathered = float(find(texts, r"test accuracy gathered from both ranks: ([\d.]+) on 397 digits").group(1))
+    in_notebook = float(find(texts, r"test accuracy in the notebook: ([\d.]+)").group(1))
+    assert gathered > ACCURACY and in_notebook > ACCURACY
+    assert find(texts, r"^Classifier$")
+
+
+def test_03_fallbacks_prints_each_decision() -> None:
+    texts, _ = execute("03_fallbacks.ipynb")
+    assert find(texts, r"fp16 has no effect on the CPU .* so training runs in full precision")
+    assert find(texts, r"FSDP needs CUDA GPUs .* so the ranks use DDP")
+    assert find(texts, r"DeepSpeed needs CUDA GPUs .* so the ranks use DDP")
+    assert find(texts, r"^refused: FSDP needs CUDA GPUs .*: use --strategy ddp")
+    assert find(texts, r"^rank 0: mixed_precision bf16, output dtype torch.bfloat16$")
+    assert find(texts, r"^\[rank 1\] rank 1: mixed_precision bf16, output dtype torch.bfloat16$")
+    assert find(texts, r"^Colab, one T4 \(described\): device cuda, backend nccl, num_processes 1")
+    assert find(texts, r"^Kaggle, two T4 \(described\): device cuda, backend nccl, num_processes 2")
+    assert find(texts, r"^Kaggle, P100 with a cu128 torch \(described\): device cpu, backend gloo")
+    assert find(texts, r"^Colab TPU v5e-1 with torch_xla \(described\): device xla, backend xla")
+    assert find(texts, r"^refused: 2 processes need 2 GPUs but this runtime has 1 .* add --cpu")
+
+
+@pytest.mark.parametrize("name", ["01_quickstart.ipynb", "02_ddp_on_cpu.ipynb", "03_fallbacks.ipynb"])
+def test_notebook_is_saved_without_outputs(name: str) -> None:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
