@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
@@ -23,8 +24,10 @@ def cell_text(output: dict) -> str:
 
 
 def run(path: str, timeout: int = 300) -> nbformat.NotebookNode:
+    """Execute in the notebook's own folder, as Jupyter does."""
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": "."}}).execute()
+    folder = str(Path(path).resolve().parent)
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": folder}}).execute()
     return nb
 
 

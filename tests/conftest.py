@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-LAYERS = ("unit", "shell", "kernel", "browser")
+LAYERS = ("unit", "shell", "kernel", "binder", "browser")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
