@@ -4,6 +4,23 @@ from __future__ import annotations
 
 import pytest
 
+VERSIONS = ("torch", "accelerate", "ipython", "ipykernel", "ipywidgets", "traitlets", "jupyter_client", "nbclient", "tqdm")
+
+
+def pytest_report_header() -> str:
+    """Which stack this run tests (the README's test command runs three)."""
+    import platform
+    from importlib import metadata
+
+    found = []
+    for name in VERSIONS:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name} -")
+    return f"stack: python {platform.python_version()}, " + ", ".join(found)
+
+
 LAYERS = ("unit", "shell", "kernel", "binder", "browser")
 
 
