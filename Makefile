@@ -6,7 +6,7 @@ VENV := .venv
 COLAB := .venv-colab
 ACC112 := .venv-accelerate-1.12
 
-.PHONY: env quickstart test lint test-main test-colab test-accelerate-1.12
+.PHONY: env quickstart test lint test-main test-colab test-accelerate-1.12 bench
 
 $(VENV)/.installed: requirements/test.txt pyproject.toml
 	scripts/make_env.sh $(VENV) requirements/test.txt
@@ -39,3 +39,7 @@ test-accelerate-1.12: $(ACC112)/.installed
 	$(ACC112)/bin/python -m pytest -ra tests/shell tests/kernel
 
 test: lint test-main test-colab test-accelerate-1.12
+
+# Benchmarks: figures and ratios, written to bench/RESULTS.md; they never fail on speed.
+bench: $(VENV)/.installed
+	$(VENV)/bin/python bench/run.py

@@ -4,9 +4,11 @@ results in a rank so the notebook can take them back."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import itertools
 import linecache
+import os
 import pickle
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -14,7 +16,17 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
-__all__ = ["CellError", "CellCode", "compile_cell", "top_level_names", "Packed", "pack_results", "unpack_results"]
+__all__ = [
+    "CellError",
+    "CellCode",
+    "compile_cell",
+    "top_level_names",
+    "Packed",
+    "pack_results",
+    "Received",
+    "receive_results",
+    "unpack_results",
+]
 
 _counter = itertools.count(1)
 
@@ -153,17 +165,18 @@ def compile_cell(raw: str, transform: Callable[[str], str] = lambda s: s) -> Cel
 
 @dataclass(frozen=True)
 class Packed:
-    """What rank 0 sends back: per name an action and its pickled payload, plus what could not come."""
+    """What rank 0 sends back: per name an action and the file holding its value, plus what could not come."""
 
-    items: tuple[tuple[str, str, str | None, bytes], ...]  # (name, action, notebook name, payload)
-    skipped: tuple[tuple[str, str], ...]  # (name, reason)
+    items: tuple[tuple[str, str, str | None, str], ...]  # (name, action, notebook name, file in the folder or "")
+    sizes: tuple[tuple[str, int], ...] = ()  # (name, bytes) of what was written
+    skipped: tuple[tuple[str, str], ...] = ()  # (name, reason)
 
     @property
     def nbytes(self) -> int:
-        return sum(len(p) for *_, p in self.items)
+        return sum(size for _, size in self.sizes)
 
     def biggest(self, k: int = 3) -> list[tuple[str, int]]:
-        return sorted(((n, len(p)) for n, _, _, p in self.items), key=lambda x: -x[1])[:k]
+        return sorted(self.sizes, key=lambda x: -x[1])[:k]
 
 
 def _to_cpu(value: Any) -> Any:
@@ -185,59 +198,107 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}"[:120] if text else type(err).__name__
 
 
+def _too_large(sizes: list[tuple[str, int]], max_bytes: int, unmeasured: int) -> ResultsTooLarge:
+    total = sum(size for _, size in sizes)
+    biggest = ", ".join(f"{n} {size / 2**20:.1f} MB" for n, size in sorted(sizes, key=lambda x: -x[1])[:3])
+    more = f", and {unmeasured} more not measured" if unmeasured else ""
+    return ResultsTooLarge(
+        f"rank 0's results total {total / 2**20:.1f} MB, over the {max_bytes / 2**20:.0f} MB limit "
+        f"(biggest: {biggest}{more}): return fewer names with --return, use --no-return, or raise --max-return-mb"
+    )
+
+
 def pack_results(
     ns: Mapping[str, Any],
     names: Iterable[str],
     prepared: Mapping[int, Any],
     notebook: Mapping[int, tuple[str, Any]],
+    folder: str,
+    max_bytes: int = 2**62,
 ) -> Packed:
-    """Pack rank 0's results.
+    """Write rank 0's results into `folder`, one file per name (torch.save: tensors travel as plain bytes,
+    never as file-descriptor-shared storage), and return the manifest.
 
     ``prepared`` maps id(what accelerator.prepare returned) to what it was given; ``notebook`` maps
     id(object) to (its name in the notebook before the launch, the object): fork keeps identities, and holding
-    the objects keeps their ids from being reused in the rank. Models and optimizers
-    that came from the notebook go back as state to load into the notebook's own objects; dataloaders and
-    schedulers from the notebook stay as they were; everything else is moved to the CPU and pickled.
+    the objects keeps their ids from being reused in the rank. Models and optimizers that came from the
+    notebook go back as state to load into the notebook's own objects; its dataloaders and schedulers stay as
+    they were; everything else is moved to the CPU. Raises ResultsTooLarge past `max_bytes`.
     """
     import torch
 
-    items: list[tuple[str, str, str | None, bytes]] = []
+    names = [n for n in names if n in ns]
+    items: list[tuple[str, str, str | None, str]] = []
+    sizes: list[tuple[str, int]] = []
     skipped: list[tuple[str, str]] = []
-    for name in names:
-        if name not in ns:
-            continue
+    for index, name in enumerate(names):
         value = ns[name]
         if type(value).__name__ in ("Accelerator", "LazyAccelerator"):
             continue
         if isinstance(value, types.ModuleType):
-            items.append((name, "import", value.__name__, b""))
+            items.append((name, "import", value.__name__, ""))
             continue
         original = prepared.get(id(value), value)
         name_and_object = notebook.get(id(original))
         home = name_and_object[0] if name_and_object is not None and name_and_object[1] is original else None
+        if home is not None and original is not value and not isinstance(original, _stateful_types()):
+            items.append((name, "keep", home, ""))  # the notebook's own dataloader or scheduler
+            continue
+        stateful = home is not None and isinstance(original, _stateful_types())
+        path = os.path.join(folder, f"item-{index}")
         try:
-            if home is not None and isinstance(original, torch.nn.Module):
-                items.append((name, "load_state", home, pickle.dumps(_to_cpu(original.state_dict()))))
-            elif home is not None and isinstance(original, torch.optim.Optimizer):
-                items.append((name, "load_state", home, pickle.dumps(_to_cpu(original.state_dict()))))
-            elif home is not None and original is not value:
-                items.append((name, "keep", home, b""))  # the notebook's own dataloader or scheduler
-            else:
-                items.append((name, "value", None, pickle.dumps(_to_cpu(original), protocol=pickle.HIGHEST_PROTOCOL)))
+            torch.save(_to_cpu(original.state_dict() if stateful else original), path)
         except MemoryError:
             raise  # not a property of one value: the sending itself failed
         except Exception as err:
+            with contextlib.suppress(OSError):
+                os.remove(path)
             skipped.append((name, _reason(err)))
-    return Packed(tuple(items), tuple(skipped))
+            continue
+        items.append((name, "load_state" if stateful else "value", home if stateful else None, os.path.basename(path)))
+        sizes.append((name, os.path.getsize(path)))
+        if sum(size for _, size in sizes) > max_bytes:
+            raise _too_large(sizes, max_bytes, len(names) - index - 1)
+    return Packed(tuple(items), tuple(sizes), tuple(skipped))
 
 
-def unpack_results(packed: Packed, ns: Mapping[str, Any]) -> tuple[Callable[[], None], list[tuple[str, str]]]:
+def _stateful_types() -> tuple[type, ...]:
+    import torch
+
+    return (torch.nn.Module, torch.optim.Optimizer)
+
+
+@dataclass(frozen=True)
+class Received:
+    """Rank 0's results read back into the kernel, not yet applied."""
+
+    items: tuple[tuple[str, str, str | None, Any], ...]  # (name, action, notebook name, loaded value)
+    skipped: tuple[tuple[str, str], ...]
+
+
+def receive_results(packed: Packed, folder: str) -> Received:
+    """Load every item the rank wrote (before the folder is removed); what cannot load is listed."""
+    import torch
+
+    items: list[tuple[str, str, str | None, Any]] = []
+    skipped = list(packed.skipped)
+    for name, action, home, filename in packed.items:
+        try:
+            value = torch.load(os.path.join(folder, filename), weights_only=False) if filename else None
+        except Exception as err:
+            skipped.append((name, _reason(err)))
+            continue
+        items.append((name, action, home, value))
+    return Received(tuple(items), tuple(skipped))
+
+
+def unpack_results(received: Received, ns: Mapping[str, Any]) -> tuple[Callable[[], None], list[tuple[str, str]]]:
     """Decide everything the notebook will take, without changing it. Returns (apply, skipped): apply()
     makes every change at once."""
     updates: dict[str, Any] = {}
     loads: list[tuple[Any, Any]] = []
-    skipped = list(packed.skipped)
-    for name, action, home, payload in packed.items:
+    skipped = list(received.skipped)
+    for name, action, home, value in received.items:
         try:
             if action == "keep":
                 updates[name] = ns[home]
@@ -245,12 +306,11 @@ def unpack_results(packed: Packed, ns: Mapping[str, Any]) -> tuple[Callable[[], 
                 updates[name] = importlib.import_module(home)
             elif action == "load_state":
                 target = ns[home]
-                state = pickle.loads(payload)
-                _check_state(target, state)
-                loads.append((target, state))
+                _check_state(target, value)
+                loads.append((target, value))
                 updates[name] = target
             else:
-                updates[name] = pickle.loads(payload)
+                updates[name] = value
         except Exception as err:
             skipped.append((name, _reason(err)))
 
@@ -319,24 +379,18 @@ def rank_body(
     returns: tuple[str, ...],
     notebook: Mapping[int, tuple[str, Any]],
     max_bytes: int,
-) -> Callable[[int], bytes | None]:
+) -> Callable[[int, str], bytes | None]:
     """The function each rank runs: a fresh accelerator, the cell in the rank's copy of the namespace, and on
-    rank 0 the packed results."""
+    rank 0 the results written into the launch's private folder (the manifest is returned)."""
 
-    def body(rank: int) -> bytes | None:
+    def body(rank: int, folder: str) -> bytes | None:
         prepared: dict[int, Any] = {}
         _track_prepare(prepared)
         ns[name] = make_accelerator()
         exec(cell.code, ns)
         if rank != 0 or not returns:
             return None
-        packed = pack_results(ns, returns, prepared, notebook)
-        if packed.nbytes > max_bytes:
-            biggest = ", ".join(f"{n} {size / 2**20:.1f} MB" for n, size in packed.biggest())
-            raise ResultsTooLarge(
-                f"rank 0's results total {packed.nbytes / 2**20:.1f} MB, over the {max_bytes / 2**20:.0f} MB limit "
-                f"(biggest: {biggest}): return fewer names with --return, use --no-return, or raise --max-return-mb"
-            )
+        packed = pack_results(ns, returns, prepared, notebook, folder, max_bytes)
         return pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
 
     return body

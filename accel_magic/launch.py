@@ -78,10 +78,12 @@ class RankFailure:
 class LaunchOutcome:
     num_processes: int
     wall_time: float = 0.0
+    cleanup_time: float = 0.0  # part of wall_time spent putting the kernel back as it was
     exitcodes: dict[int, int | None] = field(default_factory=dict)
     durations: dict[int, float] = field(default_factory=dict)
     failures: list[RankFailure] = field(default_factory=list)
-    payload: bytes | None = None
+    received: Any = None  # what `receive` made of rank 0's results, in the kernel
+    receive_error: str = ""
     interrupted: bool = False
     agent_error: str = ""
     skipped: tuple[tuple[str, str], ...] = ()
@@ -221,11 +223,12 @@ def _classify(err: BaseException) -> str:
 class _Rank:
     """Everything a rank needs, inherited through fork."""
 
-    def __init__(self, body: Callable[[int], bytes | None], pipes: _Pipes, workdir: str, env: dict[str, str],
+    def __init__(self, body: Callable[[int, str], bytes | None], pipes: _Pipes, workdir: str, env: dict[str, str],
                  threads: int, backend: str, timeout: float, cell_filename: str, port: int):  # fmt: skip
         self.body, self.pipes, self.workdir, self.env = body, pipes, workdir, env
         self.threads, self.backend, self.timeout, self.cell_filename = threads, backend, timeout, cell_filename
         self.port = port
+        self.results_dir = os.path.join(workdir, "results")
 
     def path(self, kind: str, rank: int) -> str:
         return os.path.join(self.workdir, f"{kind}-{rank}")
@@ -303,7 +306,7 @@ class _Rank:
             real_exit = os._exit
             self._record_os_exit(rank)
             try:
-                payload = self.body(rank)
+                payload = self.body(rank, self.results_dir)
             finally:
                 os._exit = real_exit
             if payload is not None:
@@ -634,7 +637,7 @@ class _Relay:
 
 
 def launch(
-    body: Callable[[int], bytes | None],
+    body: Callable[[int, str], bytes | None],
     nprocs: int,
     *,
     backend: str,
@@ -645,13 +648,17 @@ def launch(
     on_text: Callable[[int, str, str], None],
     on_message: Callable[[dict[str, Any]], None],
     port: int | None = None,
+    receive: Callable[[bytes, str], Any] | None = None,
+    max_bytes: int = 0,
 ) -> LaunchOutcome:
     """Run `body(rank)` in `nprocs` forked ranks that form one process group. Rank 0's return value (bytes)
-    comes back as `outcome.payload`. The kernel is left as it was: no process, port, file or handler."""
+    and the files it wrote in the folder it is given reach `receive(payload, folder)` in the kernel, whose answer
+    is `outcome.received`. The kernel is left as it was: no process, port, file or handler."""
     outcome = LaunchOutcome(nprocs)
     started = time.perf_counter()
     known = {p.pid for p in _descendants(set())}
-    workdir = tempfile.mkdtemp(prefix="accel_magic-")  # 0700, unguessable name, removed below
+    workdir = tempfile.mkdtemp(prefix="accel_magic-", dir=_work_root(max_bytes))  # 0700, unguessable, removed below
+    os.mkdir(os.path.join(workdir, "results"), 0o700)
     pipes = _Pipes(*([os.pipe() for _ in range(nprocs)] for _ in range(3)))
     sock = listener(port)
     port = sock.getsockname()[1]
@@ -679,6 +686,7 @@ def launch(
             relay.drain()
             outcome.ended = relay.ended
     finally:
+        cleanup_started = time.perf_counter()
         for pipe_fd in pipes.all_fds():
             with contextlib.suppress(OSError):
                 os.close(pipe_fd)
@@ -688,10 +696,20 @@ def launch(
         leftovers = _descendants(known)
         if leftovers:
             _stop(leftovers)
-        outcome.wall_time = time.perf_counter() - started
-        _collect(outcome, rank, nprocs)
+        _collect(outcome, rank, nprocs, receive)
         shutil.rmtree(workdir, ignore_errors=True)
+        outcome.cleanup_time = time.perf_counter() - cleanup_started
+        outcome.wall_time = time.perf_counter() - started
     return outcome
+
+
+def _work_root(max_bytes: int) -> str | None:
+    """Where the launch's private folder goes: /dev/shm (memory, so results travel at memory speed) when it can
+    hold the result limit, unless TMPDIR says otherwise; else the usual temp folder."""
+    if os.environ.get("TMPDIR") or not os.access("/dev/shm", os.W_OK):
+        return None
+    stats = os.statvfs("/dev/shm")
+    return "/dev/shm" if stats.f_bavail * stats.f_frsize > max_bytes else None
 
 
 def _load(path: str) -> Any:
@@ -713,7 +731,7 @@ def _abrupt(rank: int, code: int | None) -> RankFailure:
     )
 
 
-def _collect(outcome: LaunchOutcome, rank: _Rank, nprocs: int) -> None:
+def _collect(outcome: LaunchOutcome, rank: _Rank, nprocs: int, receive: Callable[[bytes, str], Any] | None) -> None:
     failed = bool(outcome.agent_error) or any(outcome.exitcodes.get(r) for r in range(nprocs))
     failed = failed or any(code for code, _ in outcome.ended.values())
     for r, (code, _) in outcome.ended.items():
@@ -728,9 +746,15 @@ def _collect(outcome: LaunchOutcome, rank: _Rank, nprocs: int) -> None:
         elif status is None and (failed or outcome.exitcodes.get(r)) and _load(rank.path("started", r)):
             code, when = outcome.ended.get(r, (outcome.exitcodes.get(r), None))
             outcome.failures.append(replace(_abrupt(r, code), when=when))
-    if outcome.ok:
+    if outcome.ok and receive is not None:
+        payload = None
         with contextlib.suppress(OSError), open(rank.path("results", 0), "rb") as f:
-            outcome.payload = f.read()
+            payload = f.read()
+        if payload is not None:
+            try:
+                outcome.received = receive(payload, rank.results_dir)
+            except Exception as err:  # a damaged transfer: reported, nothing applied
+                outcome.receive_error = f"{type(err).__name__}: {err}"
 
 
 def launch_error(outcome: LaunchOutcome, timeout: float) -> LaunchError:

@@ -273,7 +273,7 @@ class AccelMagics(Magics):
         from functools import partial
 
         from .accelerator import rank_accelerator, rank_environment
-        from .cell import rank_body, unpack_results
+        from .cell import rank_body, receive_results, unpack_results
         from .display import forward_kernel_message, launch_banner, write_rank_text
         from .launch import LaunchError, check_port, cuda_fork_blocker, launch, launch_error
 
@@ -308,22 +308,19 @@ class AccelMagics(Magics):
             on_text=write_rank_text,
             on_message=forward_kernel_message,
             port=port,
+            receive=lambda payload, folder: receive_results(pickle.loads(payload), folder),
+            max_bytes=max_bytes,
         )
         del body, notebook
         if outcome.interrupted:
             raise KeyboardInterrupt
         if not outcome.ok:
             raise launch_error(outcome, plan.timeout)
-        packed, unreadable = None, ""
-        try:
-            packed = pickle.loads(outcome.payload) if outcome.payload else None
-        except Exception as err:  # a damaged transfer: nothing is applied
-            unreadable = f"{type(err).__name__}: {err}"
-        if unreadable:
+        if outcome.receive_error:
             raise LaunchError(
-                f"rank 0's results could not be read back ({unreadable}); nothing in the notebook changed."
+                f"rank 0's results could not be read back ({outcome.receive_error}); nothing in the notebook changed."
             )
-        apply, skipped = unpack_results(packed, ns) if packed is not None else (None, [])
+        apply, skipped = unpack_results(outcome.received, ns) if outcome.received is not None else (None, [])
         outcome.skipped = tuple(skipped)
         if apply is not None:
             apply()

@@ -1,23 +1,9 @@
-"""CPU data-parallel throughput, measured in one real kernel session (nbclient + ipykernel).
-
-200 steps of an MLP 128-1024-1024-10, global batch 128, 5 warm-up steps; loop time on rank 0:
-  - %%accel_train -n 2
-  - plain notebook_launcher(num_processes=2) with Accelerator(cpu=True)      (accelerate: 1 thread per rank)
-  - the same, forced to 2 threads per rank  (what a non-CPU-mode Accelerator or a user's setting gives)
-  - one process in the kernel (the anchor)
-Prints each figure's median and spread over the repeats, and the ratios. Never fails on speed.
-
-Usage: python bench/throughput.py [--repeats N]
-"""
+"""CPU data-parallel throughput: 200 steps of an MLP 128-1024-1024-10, global batch 128, 5 warm-up steps; loop
+time on rank 0, alternated in one kernel session."""
 
 from __future__ import annotations
 
-import argparse
-import re
-import statistics
-
-import nbformat
-from nbclient import NotebookClient
+from common import Section, figures, med, run_cells, spread, verdict
 
 LOOP = """
 import time, torch
@@ -39,7 +25,7 @@ t0 = time.perf_counter()
 for i in range(200):
     step(i)
 accelerator.wait_for_everyone()
-accelerator.print(f"LOOP {time.perf_counter() - t0:.4f} threads {torch.get_num_threads()}")
+accelerator.print(f"LOOP {time.perf_counter() - t0:.4f}")
 """
 
 
@@ -56,74 +42,46 @@ def launcher_cell(threads: int | None) -> str:
     )
 
 
-CASES = {
-    "accel_train -n 2": "%%accel_train -n 2 --no-return\n" + LOOP,
-    "notebook_launcher, 1 thread per rank": launcher_cell(None),
-    "notebook_launcher, 2 threads per rank": launcher_cell(2),
-}
-ANCHOR = "one process in the kernel"
+OURS = "accel_train -n 2"
+NL1 = "notebook_launcher, Accelerator(cpu=True): 1 thread per rank"
+NL2 = "the same forced to 2 threads per rank"
+ONE = "one process in the kernel (anchor)"
+CASES = {OURS: "%%accel_train -n 2 --no-return\n" + LOOP, NL1: launcher_cell(None), NL2: launcher_cell(2)}
 
 
-def run(cells: list[str]) -> list[str]:
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
-    NotebookClient(nb, timeout=900, kernel_name="python3").execute()
-    texts = []
-    for cell in nb.cells:
-        texts.append("".join(o.get("text", "") for o in cell.get("outputs", []) if o["output_type"] == "stream"))
-    return texts
-
-
-def loop_time(text: str) -> float:
-    found = re.findall(r"^LOOP ([\d.]+)", text, re.M)
-    if not found:
-        raise RuntimeError(f"no loop time in:\n{text}")
-    return float(found[-1])
-
-
-def measure(repeats: int) -> dict[str, list[float]]:
+def measure(repeats: int = 3) -> Section:
     cells = ["%load_ext accel_magic"]
-    order: list[str] = []
-    for _ in range(repeats):  # alternated in one kernel session
+    order = []
+    for _ in range(repeats):
         for name, cell in CASES.items():
             cells.append(cell)
             order.append(name)
-    # The anchor last: an Accelerator in the kernel makes notebook_launcher refuse to launch.
-    for _ in range(repeats):
+    for _ in range(repeats):  # last: an Accelerator in the kernel makes notebook_launcher refuse
         cells.append("from accelerate import Accelerator\naccelerator = Accelerator(cpu=True)\n" + LOOP)
-        order.append(ANCHOR)
-    texts = run(cells)[1:]
-    results: dict[str, list[float]] = {}
+        order.append(ONE)
+    texts = run_cells(cells)[1:]
+    found: dict[str, list[float]] = {}
     for name, text in zip(order, texts, strict=True):
-        results.setdefault(name, []).append(loop_time(text))
-    return results
-
-
-def report(results: dict[str, list[float]]) -> str:
-    anchor = statistics.median(results[ANCHOR])
-    one_thread = statistics.median(results["notebook_launcher, 1 thread per rank"])
-    two_threads = statistics.median(results["notebook_launcher, 2 threads per rank"])
-    lines = [
-        "| case | median loop (s) | spread (min-max) | vs one process | vs notebook_launcher 1 thread |",
-        "|---|---|---|---|---|",
+        found.setdefault(name, []).extend(figures(text, "LOOP"))
+    anchor, one_thread = med(found[ONE]), med(found[NL1])
+    rows = [
+        [name, f"{med(v):.2f}", spread(v), f"{med(v) / anchor:.2f}x", f"{med(v) / one_thread:.2f}x"]
+        for name, v in found.items()
     ]
-    for name, values in results.items():
-        med = statistics.median(values)
-        spread = f"{min(values):.2f}-{max(values):.2f}"
-        lines.append(f"| {name} | {med:.2f} | {spread} | {med / anchor:.2f}x | {med / one_thread:.2f}x |")
-    ours = statistics.median(results["accel_train -n 2"])
-    lines.append("")
-    lines.append(f"accel_train -n 2 / notebook_launcher 1 thread: {ours / one_thread:.2f} (target <= 1.05)")
-    lines.append(f"notebook_launcher 2 threads / accel_train -n 2: {two_threads / ours:.1f}x slower (target >= 3)")
-    return "\n".join(lines)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    print(report(measure(args.repeats)))
-
-
-if __name__ == "__main__":
-    main()
+    section = Section(
+        "3. CPU data-parallel throughput",
+        f"200 steps of an MLP 128-1024-1024-10, global batch 128, after 5 warm-up steps; loop time on rank 0 in "
+        f"seconds; {repeats} runs of each, alternated in one kernel.",
+        ["case", "median (s)", "spread (s)", "vs one process", "vs notebook_launcher 1 thread"],
+        rows,
+    )
+    section.verdicts = [
+        verdict("accel_train -n 2 / notebook_launcher at 1 thread per rank", med(found[OURS]) / one_thread, 1.05),
+        verdict(
+            "2 threads per rank / accel_train -n 2 (speed-up)",
+            med(found[NL2]) / med(found[OURS]),
+            3,
+            lower_is_better=False,
+        ),
+    ]
+    return section

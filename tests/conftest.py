@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-VERSIONS = ("torch", "accelerate", "ipython", "ipykernel", "ipywidgets", "traitlets", "jupyter_client", "nbclient", "tqdm")
+VERSIONS = (
+    "torch",
+    "accelerate",
+    "ipython",
+    "ipykernel",
+    "ipywidgets",
+    "traitlets",
+    "jupyter_client",
+    "nbclient",
+    "tqdm",
+)
 
 
 def pytest_report_header() -> str:

@@ -1,0 +1,55 @@
+"""`make bench`: run every benchmark in real kernels and write bench/RESULTS.md. Prints figures; never fails on
+speed.
+
+Usage: python bench/run.py [--quick] [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import launch_overhead  # noqa: E402
+import memory  # noqa: E402
+import results_back  # noqa: E402
+import startup  # noqa: E402
+import throughput  # noqa: E402
+from common import machine  # noqa: E402
+
+CASES = {
+    "startup": (startup.measure, {"repeats": 5}, {"repeats": 2}),
+    "launch": (launch_overhead.measure, {"repeats": 15}, {"repeats": 3}),
+    "throughput": (throughput.measure, {"repeats": 3}, {"repeats": 1}),
+    "results": (results_back.measure, {"repeats": 3}, {"repeats": 1}),
+    "memory": (memory.measure, {"launches": 20}, {"launches": 5}),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, to try the scripts")
+    parser.add_argument("--only", nargs="*", choices=list(CASES), help="run only these cases")
+    args = parser.parse_args()
+    started = time.monotonic()
+    parts = ["# Benchmarks", "", "Written by `make bench` (`python bench/run.py`). Every case runs in a real kernel "
+             "(nbclient + ipykernel); ratios are against plain `notebook_launcher` or one process, measured in the "
+             "same run.", "", *machine(), ""]  # fmt: skip
+    for name in args.only or list(CASES):
+        measure, full, quick = CASES[name]
+        section = measure(**(quick if args.quick else full))
+        text = section.markdown()
+        print(text, flush=True)
+        parts.append(text)
+    parts.append(f"Total time of the run: {time.monotonic() - started:.0f} s.\n")
+    out = Path(__file__).parent / "RESULTS.md"
+    if not args.quick and not args.only:
+        out.write_text("\n".join(parts))
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
