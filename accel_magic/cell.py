@@ -225,7 +225,6 @@ def pack_results(
     notebook go back as state to load into the notebook's own objects; its dataloaders and schedulers stay as
     they were; everything else is moved to the CPU. Raises ResultsTooLarge past `max_bytes`.
     """
-    import torch
 
     names = [n for n in names if n in ns]
     items: list[tuple[str, str, str | None, str]] = []
@@ -247,7 +246,7 @@ def pack_results(
         stateful = home is not None and isinstance(original, _stateful_types())
         path = os.path.join(folder, f"item-{index}")
         try:
-            torch.save(_to_cpu(original.state_dict() if stateful else original), path)
+            _save(_to_cpu(original.state_dict() if stateful else original), path)
         except MemoryError:
             raise  # not a property of one value: the sending itself failed
         except Exception as err:
@@ -260,6 +259,17 @@ def pack_results(
         if sum(size for _, size in sizes) > max_bytes:
             raise _too_large(sizes, max_bytes, len(names) - index - 1)
     return Packed(tuple(items), tuple(sizes), tuple(skipped))
+
+
+def _save(value: Any, path: str) -> None:
+    """torch.save without the zip checksums: the file lives for one launch, in a private folder."""
+    import torch
+    from torch import serialization
+
+    set_crc = getattr(serialization, "set_crc32_options", None)
+    if set_crc is not None:
+        set_crc(False)
+    torch.save(value, path)
 
 
 def _stateful_types() -> tuple[type, ...]:
@@ -284,7 +294,8 @@ def receive_results(packed: Packed, folder: str) -> Received:
     skipped = list(packed.skipped)
     for name, action, home, filename in packed.items:
         try:
-            value = torch.load(os.path.join(folder, filename), weights_only=False) if filename else None
+            # mmap: a state is then copied once, straight from the file into the notebook's parameters
+            value = torch.load(os.path.join(folder, filename), weights_only=False, mmap=True) if filename else None
         except Exception as err:
             skipped.append((name, _reason(err)))
             continue
