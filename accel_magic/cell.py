@@ -10,6 +10,7 @@ import itertools
 import linecache
 import os
 import pickle
+import time
 import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -170,6 +171,7 @@ class Packed:
     items: tuple[tuple[str, str, str | None, str], ...]  # (name, action, notebook name, file in the folder or "")
     sizes: tuple[tuple[str, int], ...] = ()  # (name, bytes) of what was written
     skipped: tuple[tuple[str, str], ...] = ()  # (name, reason)
+    seconds: float = 0.0  # time rank 0 spent writing them
 
     @property
     def nbytes(self) -> int:
@@ -226,6 +228,7 @@ def pack_results(
     they were; everything else is moved to the CPU. Raises ResultsTooLarge past `max_bytes`.
     """
 
+    started = time.perf_counter()
     names = [n for n in names if n in ns]
     items: list[tuple[str, str, str | None, str]] = []
     sizes: list[tuple[str, int]] = []
@@ -258,7 +261,7 @@ def pack_results(
         sizes.append((name, os.path.getsize(path)))
         if sum(size for _, size in sizes) > max_bytes:
             raise _too_large(sizes, max_bytes, len(names) - index - 1)
-    return Packed(tuple(items), tuple(sizes), tuple(skipped))
+    return Packed(tuple(items), tuple(sizes), tuple(skipped), time.perf_counter() - started)
 
 
 def _save(value: Any, path: str) -> None:
@@ -284,12 +287,14 @@ class Received:
 
     items: tuple[tuple[str, str, str | None, Any], ...]  # (name, action, notebook name, loaded value)
     skipped: tuple[tuple[str, str], ...]
+    seconds: dict[str, float]  # "send" (in rank 0) and "receive" (in the kernel)
 
 
 def receive_results(packed: Packed, folder: str) -> Received:
     """Load every item the rank wrote (before the folder is removed); what cannot load is listed."""
     import torch
 
+    started = time.perf_counter()
     items: list[tuple[str, str, str | None, Any]] = []
     skipped = list(packed.skipped)
     for name, action, home, filename in packed.items:
@@ -300,7 +305,7 @@ def receive_results(packed: Packed, folder: str) -> Received:
             skipped.append((name, _reason(err)))
             continue
         items.append((name, action, home, value))
-    return Received(tuple(items), tuple(skipped))
+    return Received(tuple(items), tuple(skipped), {"send": packed.seconds, "receive": time.perf_counter() - started})
 
 
 def unpack_results(received: Received, ns: Mapping[str, Any]) -> tuple[Callable[[], None], list[tuple[str, str]]]:

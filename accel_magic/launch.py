@@ -26,16 +26,11 @@ from typing import Any
 
 __all__ = ["LaunchError", "RankFailure", "LaunchOutcome", "launch", "listener", "check_port", "cuda_fork_blocker"]
 
-# Errors a rank raises because another rank died first: never the root cause.
-COLLATERAL = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "socket closed",
-    "recv operation",  # gloo: the peer vanished mid-collective
-    "ranks did not reach",
-)
-TIMED_OUT = ("timed out", "timeout")
+# What torch.distributed raises (RuntimeError and its Dist*Error subclasses) when a collective waited past the
+# process group's timeout, and when another rank died first (never the root cause).
+DIST_ERRORS = ("RuntimeError", "DistError", "DistBackendError", "DistStoreError", "DistNetworkError")
+TIMED_OUT = ("timed out waiting", "operation timeout", "socket timeout", "wait timeout")
+COLLATERAL = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
 SIGNALS_KEPT = [s for s in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGINT") if hasattr(signal, s)]
 _REAL_EXIT = os._exit
 ELASTIC_LOGGERS = (
@@ -87,6 +82,7 @@ class LaunchOutcome:
     interrupted: bool = False
     agent_error: str = ""
     skipped: tuple[tuple[str, str], ...] = ()
+    results_seconds: dict[str, float] = field(default_factory=dict)  # send (rank 0), receive, apply (kernel)
     ended: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (exit code or -signal, when)
 
     def __repr__(self) -> str:
@@ -212,6 +208,8 @@ def _first_line(err: BaseException) -> str:
 
 
 def _classify(err: BaseException) -> str:
+    if type(err).__name__ not in DIST_ERRORS:
+        return "exception"
     text = str(err).lower()
     if any(t in text for t in TIMED_OUT):
         return "timeout"

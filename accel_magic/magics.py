@@ -270,6 +270,7 @@ class AccelMagics(Magics):
 
     def _run_ranks(self, code: Any, plan: Plan, returns: tuple[str, ...], port: int | None, max_bytes: int) -> None:
         import pickle
+        import time
         from functools import partial
 
         from .accelerator import rank_accelerator, rank_environment
@@ -323,7 +324,9 @@ class AccelMagics(Magics):
         apply, skipped = unpack_results(outcome.received, ns) if outcome.received is not None else (None, [])
         outcome.skipped = tuple(skipped)
         if apply is not None:
+            started = time.perf_counter()
             apply()
+            outcome.results_seconds = {**outcome.received.seconds, "apply": time.perf_counter() - started}
         ns["accel_result"] = outcome
         if skipped:
             listed = "; ".join(f"{name} ({reason})" for name, reason in skipped)

@@ -113,3 +113,10 @@ def test_first_line_drops_gloo_source_prefix() -> None:
     )
     assert launch._first_line(err) == "Connection closed by peer [127.0.0.1]:1."
     assert launch._classify(err) == "collateral"
+
+
+def test_a_users_own_timeout_error_is_an_ordinary_exception() -> None:
+    assert launch._classify(TimeoutError("timed out waiting for the lock")) == "exception"
+    assert (
+        launch._classify(RuntimeError("[x.cc:1] Timed out waiting 3000ms for recv operation to complete")) == "timeout"
+    )
