@@ -23,7 +23,7 @@ from common import machine  # noqa: E402
 CASES = {
     "startup": (startup.measure, {"repeats": 5}, {"repeats": 2}),
     "launch": (launch_overhead.measure, {"repeats": 15}, {"repeats": 3}),
-    "throughput": (throughput.measure, {"repeats": 3}, {"repeats": 1}),
+    "throughput": (throughput.measure, {"repeats": 5}, {"repeats": 1}),
     "results": (results_back.measure, {"repeats": 3}, {"repeats": 1}),
     "memory": (memory.measure, {"launches": 20}, {"launches": 5}),
 }
