@@ -173,13 +173,6 @@ class Packed:
     skipped: tuple[tuple[str, str], ...] = ()  # (name, reason)
     seconds: float = 0.0  # time rank 0 spent writing them
 
-    @property
-    def nbytes(self) -> int:
-        return sum(size for _, size in self.sizes)
-
-    def biggest(self, k: int = 3) -> list[tuple[str, int]]:
-        return sorted(self.sizes, key=lambda x: -x[1])[:k]
-
 
 def _to_cpu(value: Any) -> Any:
     import torch
@@ -188,9 +181,13 @@ def _to_cpu(value: Any) -> Any:
         return value.detach().cpu()
     if isinstance(value, torch.nn.Module):
         return value.to("cpu")
-    if isinstance(value, dict):
-        return type(value)((k, _to_cpu(v)) for k, v in value.items()) if type(value) is dict else value
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+    if isinstance(value, dict):  # state dicts (OrderedDict), optimizer states (nested dicts)
+        items = [(k, _to_cpu(v)) for k, v in value.items()]
+        try:
+            return type(value)(items)
+        except TypeError:  # a dict subclass with another constructor
+            return dict(items)
+    if type(value) in (list, tuple):
         return type(value)(_to_cpu(v) for v in value)
     return value
 
@@ -300,7 +297,8 @@ def receive_results(packed: Packed, folder: str) -> Received:
     for name, action, home, filename in packed.items:
         try:
             # mmap: a state is then copied once, straight from the file into the notebook's parameters
-            value = torch.load(os.path.join(folder, filename), weights_only=False, mmap=True) if filename else None
+            path = os.path.join(folder, filename)
+            value = torch.load(path, map_location="cpu", weights_only=False, mmap=True) if filename else None
         except Exception as err:
             skipped.append((name, _reason(err)))
             continue

@@ -227,3 +227,17 @@ def test_python_m_accel_magic_prints_plan_as_text_and_json_without_secrets(monke
     assert data["plan"]["backend"] == "gloo" and data["plan"]["num_processes"] == 2
     assert data["runtime"]["versions"]["torch"]
     assert "secret" not in text + raw
+
+
+def test_panel_falls_back_to_text_and_html_when_ipywidgets_is_missing(ip, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel is faked (so a widget would be tried) and ipywidgets made unimportable."""
+    import IPython
+
+    from accel_magic import display
+
+    plan = ip.run_line_magic("accel_setup", "--quiet")
+    fake_kernel_shell = type("FakeKernelShell", (), {"kernel": object()})()
+    monkeypatch.setattr(IPython, "get_ipython", lambda: fake_kernel_shell)
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)
+    bundle = display.panel_bundle(plan)
+    assert set(bundle) == {"text/plain", "text/html"} and "gloo" in bundle["text/plain"]
