@@ -1,14 +1,29 @@
-"""The setup panel: a core-ipywidgets view with readable text/plain and text/html beside it."""
+"""What the notebook shows: the setup panel (a core-ipywidgets view with readable text/plain and text/html
+beside it) and the ranks' output."""
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import html
+import sys
 from typing import Any
 
 from .plan import Plan
 from .runtime import describe_gpus
 
-__all__ = ["plan_rows", "plan_text", "plan_html", "panel_bundle", "show_plan", "mark_shown"]
+__all__ = [
+    "plan_rows",
+    "plan_text",
+    "plan_html",
+    "panel_bundle",
+    "show_plan",
+    "mark_shown",
+    "RankLines",
+    "forward_kernel_message",
+    "launch_banner",
+    "write_rank_text",
+]
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -135,8 +150,6 @@ class RankLines:
         self._decoders: dict[tuple[int, str], Any] = {}
 
     def feed(self, rank: int, stream: str, data: bytes) -> str:
-        import codecs
-
         key = (rank, stream)
         decoder = self._decoders.setdefault(key, codecs.getincrementaldecoder("utf-8")("replace"))
         text = (self._partial.pop(key, "") + decoder.decode(data)).replace("\r\n", "\n")
@@ -168,18 +181,10 @@ def forward_kernel_message(message: dict[str, Any]) -> None:
     kernel = getattr(get_ipython(), "kernel", None)
     if kernel is None:
         return
-    sys_streams_flush()
-    kernel.session.send(kernel.iopub_socket, message.pop("msg_or_type"), **message)
-
-
-def sys_streams_flush() -> None:
-    import sys
-
-    for stream in (sys.stdout, sys.stderr):
-        try:
+    for stream in (sys.stdout, sys.stderr):  # what the ranks printed before this message shows before it
+        with contextlib.suppress(AttributeError, ValueError):
             stream.flush()
-        except (AttributeError, ValueError):
-            pass
+    kernel.session.send(kernel.iopub_socket, message.pop("msg_or_type"), **message)
 
 
 def launch_banner(plan: Plan) -> str:
@@ -195,8 +200,6 @@ def launch_banner(plan: Plan) -> str:
 
 def write_rank_text(rank: int, stream: str, text: str) -> None:
     """Write a rank's assembled output to the cell, at once."""
-    import sys
-
     out = sys.stderr if stream == "stderr" else sys.stdout
     out.write(text)
     out.flush()
