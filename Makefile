@@ -1,23 +1,23 @@
 # The two set-up commands (README): `make quickstart` runs the quick-start notebook headless,
-# `make test` runs the whole test suite. Both build their environments first, from nothing but Python 3.11.
-PYTHON ?= python3.11
-export PYTHON
+# `make test` runs the whole test suite. Both build their environments first, from nothing but the pyenv
+# interpreters (each requirements file names its Python on its first line).
 VENV := .venv
-COLAB := .venv-colab
-ACC112 := .venv-accelerate-1.12
+STACKS := colab kaggle minimum
+# The layers every pinned stack runs: everything but the binder/ build, which has a Python of its own.
+PINNED_LAYERS := tests/unit tests/shell tests/kernel
 
-.PHONY: env quickstart test lint test-main test-colab test-accelerate-1.12 bench
+.PHONY: env envs quickstart test lint test-main $(addprefix test-,$(STACKS)) bench
 
 $(VENV)/.installed: requirements/test.txt pyproject.toml
 	scripts/make_env.sh $(VENV) requirements/test.txt
 
-$(COLAB)/.installed: requirements/colab.txt pyproject.toml
-	scripts/make_env.sh $(COLAB) requirements/colab.txt
-
-$(ACC112)/.installed: requirements/accelerate-1.12.txt pyproject.toml
-	scripts/make_env.sh $(ACC112) requirements/accelerate-1.12.txt
+.venv-%/.installed: requirements/%.txt pyproject.toml
+	scripts/make_env.sh .venv-$* requirements/$*.txt
 
 env: $(VENV)/.installed
+
+# Every environment, built side by side (the downloads dominate).
+envs: $(VENV)/.installed $(foreach s,$(STACKS),.venv-$(s)/.installed)
 
 quickstart: $(VENV)/.installed
 	$(VENV)/bin/python scripts/run_notebook.py notebooks/01_quickstart.ipynb
@@ -26,19 +26,18 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check accel_magic tests scripts bench
 	$(VENV)/bin/ruff format --check accel_magic tests scripts bench
 
-# Today's stack: every layer, the binder/ environment included.
+# Today's releases: every layer, the binder/ environment included.
 test-main: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -ra
 
-# Colab's pinned stack (IPython 7.34, ipykernel 6.17.1, ipywidgets 7.7.1, accelerate 1.14): magics, kernels, notebooks.
-test-colab: $(COLAB)/.installed
-	$(COLAB)/bin/python -m pytest -ra tests/shell tests/kernel
+# Colab's runtime (requirements/colab.txt), Kaggle's, and every dependency at its declared minimum.
+$(addprefix test-,$(STACKS)): test-%: .venv-%/.installed
+	.venv-$*/bin/python -m pytest -ra $(PINNED_LAYERS)
 
-# The oldest supported accelerate, 1.12.0.
-test-accelerate-1.12: $(ACC112)/.installed
-	$(ACC112)/bin/python -m pytest -ra tests/shell tests/kernel
-
-test: lint test-main test-colab test-accelerate-1.12
+# The environments build in parallel; the tests run one stack at a time (they measure and time processes).
+test:
+	$(MAKE) -j4 envs
+	$(MAKE) lint test-main $(addprefix test-,$(STACKS))
 
 # Benchmarks: figures and ratios, written to bench/RESULTS.md; they never fail on speed.
 bench: $(VENV)/.installed

@@ -27,6 +27,7 @@ __all__ = [
     "Received",
     "receive_results",
     "unpack_results",
+    "RankBody",
 ]
 
 _counter = itertools.count(1)
@@ -384,27 +385,26 @@ def _track_prepare(prepared: dict[int, Any]) -> None:
 _keep: list[Any] = []
 
 
-def rank_body(
-    cell: CellCode,
-    ns: dict[str, Any],
-    *,
-    make_accelerator: Callable[[], Any],
-    name: str,
-    returns: tuple[str, ...],
-    notebook: Mapping[int, tuple[str, Any]],
-    max_bytes: int,
-) -> Callable[[int, str], bytes | None]:
-    """The function each rank runs: a fresh accelerator, the cell in the rank's copy of the namespace, and on
-    rank 0 the results written into the launch's private folder (the manifest is returned)."""
+class RankBody:
+    """What each rank runs, in three steps the launcher tells apart: `setup` (a fresh accelerator, before the
+    cell), `run` (the cell in the rank's copy of the namespace) and `results` (on rank 0, the results written
+    into the launch's private folder; the manifest is returned)."""
 
-    def body(rank: int, folder: str) -> bytes | None:
-        prepared: dict[int, Any] = {}
-        _track_prepare(prepared)
-        ns[name] = make_accelerator()
-        exec(cell.code, ns)
-        if rank != 0 or not returns:
+    def __init__(self, cell: CellCode, ns: dict[str, Any], *, make_accelerator: Callable[[], Any], name: str,
+                 returns: tuple[str, ...], notebook: Mapping[int, tuple[str, Any]], max_bytes: int):  # fmt: skip
+        self.cell, self.ns, self.make_accelerator, self.name = cell, ns, make_accelerator, name
+        self.returns, self.notebook, self.max_bytes = returns, notebook, max_bytes
+        self.prepared: dict[int, Any] = {}
+
+    def setup(self, rank: int) -> None:
+        _track_prepare(self.prepared)
+        self.ns[self.name] = self.make_accelerator()
+
+    def run(self) -> None:
+        exec(self.cell.code, self.ns)
+
+    def results(self, rank: int, folder: str) -> bytes | None:
+        if rank != 0 or not self.returns:
             return None
-        packed = pack_results(ns, returns, prepared, notebook, folder, max_bytes)
+        packed = pack_results(self.ns, self.returns, self.prepared, self.notebook, folder, self.max_bytes)
         return pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
-
-    return body

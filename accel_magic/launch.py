@@ -33,6 +33,8 @@ TIMED_OUT = ("timed out waiting", "operation timeout", "socket timeout", "wait t
 COLLATERAL = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
 SIGNALS_KEPT = [s for s in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGINT") if hasattr(signal, s)]
 _REAL_EXIT = os._exit
+INTERNAL_EXIT = 70  # a rank whose own machinery failed (EX_SOFTWARE)
+ISSUES_URL = "https://github.com/accel-magic/accel_magic/issues"
 ELASTIC_LOGGERS = (
     "torch.distributed.elastic",
     "torch.distributed.launcher",
@@ -63,10 +65,11 @@ class RankFailure:
 
     rank: int
     exitcode: int | None
-    kind: str  # "exception", "exit", "signal", "collateral", "timeout"
+    kind: str  # "exception", "exit", "signal", "collateral", "timeout", "internal" (accel_magic's own failure)
     summary: str
     traceback: str = ""
     when: float | None = None
+    versions: str = ""  # for an internal failure: what a bug report needs
 
 
 @dataclass
@@ -219,10 +222,11 @@ def _classify(err: BaseException) -> str:
 
 
 class _Rank:
-    """Everything a rank needs, inherited through fork."""
+    """Everything a rank needs, inherited through fork. A failure of this machinery, before or after the
+    user's cell, is recorded as such (kind "internal"), never left to look like the cell's own exit."""
 
-    def __init__(self, body: Callable[[int, str], bytes | None], pipes: _Pipes, workdir: str, env: dict[str, str],
-                 threads: int, backend: str, timeout: float, cell_filename: str, port: int):  # fmt: skip
+    def __init__(self, body: Any, pipes: _Pipes, workdir: str, env: dict[str, str], threads: int, backend: str,
+                 timeout: float, cell_filename: str, port: int):  # fmt: skip
         self.body, self.pipes, self.workdir, self.env = body, pipes, workdir, env
         self.threads, self.backend, self.timeout, self.cell_filename = threads, backend, timeout, cell_filename
         self.port = port
@@ -238,13 +242,27 @@ class _Rank:
         os.replace(tmp, self.path(kind, rank))
 
     def _rendezvous_fds(self) -> list[int]:
-        """The kernel's rendezvous store sockets, which a rank inherits and must not keep listening."""
-        import psutil
-
-        with contextlib.suppress(psutil.Error):
-            conns = psutil.Process().net_connections()
-            return [c.fd for c in conns if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.port]
-        return []
+        """The kernel's rendezvous store sockets (listening on the launch's port, IPv4 or IPv6), which a rank
+        inherits and must not keep listening."""
+        found = []
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            try:
+                sock = socket.socket(fileno=fd)
+            except OSError:  # not a socket, or the listing's own fd
+                continue
+            try:
+                if (
+                    sock.family in (socket.AF_INET, socket.AF_INET6)
+                    and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                    and sock.getsockname()[1] == self.port
+                ):
+                    found.append(fd)
+            except OSError:
+                pass
+            finally:
+                sock.detach()
+        return found
 
     def _redirect(self, rank: int) -> None:
         os.dup2(self.pipes.out[rank][1], 1)
@@ -276,59 +294,81 @@ class _Rank:
     def __call__(self) -> None:
         rank = int(os.environ.get("RANK", "0"))
         start = time.time()
+        phase = "before"
         try:
             self._write("started", rank, os.getpid())
             self._redirect(rank)
             os.environ.update(self.env)
-            exit_code = self._run(rank, start)
-        except BaseException:  # the rank must never unwind into the kernel's code
-            exit_code = 70
+            self._setup(rank)
+            phase = "cell"
+            self._run_cell(rank)
+            phase = "after"
+            payload = self.body.results(rank, self.results_dir)
+            if payload is not None:
+                tmp = self.path("results", rank) + ".tmp"
+                with open(tmp, "wb") as f:
+                    f.write(payload)
+                os.replace(tmp, self.path("results", rank))
+            self._write("status", rank, {"duration": time.time() - start})
+            exit_code = 0
+        except SystemExit as exc:  # only the cell raises it: its own exit, as the user asked
+            exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if exit_code == 0:
+                self._write_or_tell("status", rank, {"duration": time.time() - start})
+            else:
+                summary = f"called sys.exit({exc.code!r})"
+                self._write_or_tell("error", rank, RankFailure(rank, exit_code, "exit", summary, "", time.time()))
+        except BaseException as err:  # the rank must never unwind into the kernel's code
+            self._write_or_tell("error", rank, self._failure(rank, err, phase))
+            exit_code = 1 if phase == "cell" else INTERNAL_EXIT
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
         if exit_code:
             _REAL_EXIT(exit_code)
 
-    def _run(self, rank: int, start: float) -> int:
+    def _setup(self, rank: int) -> None:
+        from datetime import timedelta
+
         import torch
+        import torch.distributed as dist
 
         torch.set_num_threads(self.threads)
+        self._reset_accelerate()
+        if not dist.is_initialized():
+            dist.init_process_group(self.backend, timeout=timedelta(seconds=self.timeout))
+        self.body.setup(rank)
+
+    def _run_cell(self, rank: int) -> None:
+        real_exit = os._exit
+        self._record_os_exit(rank)
         try:
-            self._reset_accelerate()
-            from datetime import timedelta
+            self.body.run()
+        finally:
+            os._exit = real_exit
 
-            import torch.distributed as dist
+    def _failure(self, rank: int, err: BaseException, phase: str) -> RankFailure:
+        """The record of an exception: the cell's own (or a collective's), or this machinery's."""
+        kind = "exception" if isinstance(err, KeyboardInterrupt) else _classify(err)
+        first = _first_line(err)
+        summary = f"{type(err).__name__}: {first}" if first else type(err).__name__
+        user_facing = getattr(err, "no_traceback", False)  # a refusal worded for the user (results too large)
+        own = phase != "cell" and kind == "exception" and not isinstance(err, (KeyboardInterrupt, MemoryError))
+        if not own or user_facing:  # the cell's, a peer's, or out of memory: not a bug of this machinery
+            tb = "" if user_facing else _render_rank_traceback(err, self.cell_filename)
+            return RankFailure(rank, 1, kind, summary, tb, time.time())
+        tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        return RankFailure(rank, INTERNAL_EXIT, "internal", f"{phase} the cell ran: {summary}", tb, time.time(),
+                           versions_line())  # fmt: skip
 
-            if not dist.is_initialized():
-                dist.init_process_group(self.backend, timeout=timedelta(seconds=self.timeout))
-            real_exit = os._exit
-            self._record_os_exit(rank)
-            try:
-                payload = self.body(rank, self.results_dir)
-            finally:
-                os._exit = real_exit
-            if payload is not None:
-                tmp = self.path("results", rank) + ".tmp"
-                with open(tmp, "wb") as f:
-                    f.write(payload)
-                os.replace(tmp, self.path("results", rank))
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            if code == 0:
-                self._write("status", rank, {"duration": time.time() - start})
-                return 0
-            summary = f"called sys.exit({exc.code!r})"
-            self._write("error", rank, RankFailure(rank, code, "exit", summary, "", time.time()))
-            return code
+    def _write_or_tell(self, kind: str, rank: int, record: Any) -> None:
+        """Write a record; when even that fails, say so on the rank's stderr (the cell's output)."""
+        try:
+            self._write(kind, rank, record)
         except BaseException as err:
-            kind = "exception" if isinstance(err, KeyboardInterrupt) else _classify(err)
-            first = _first_line(err)
-            summary = f"{type(err).__name__}: {first}" if first else type(err).__name__
-            tb = "" if getattr(err, "no_traceback", False) else _render_rank_traceback(err, self.cell_filename)
-            self._write("error", rank, RankFailure(rank, 1, kind, summary, tb, time.time()))
-            return 1
-        self._write("status", rank, {"duration": time.time() - start})
-        return 0
+            with contextlib.suppress(Exception):
+                detail = f"{record.summary}\n{record.traceback}" if isinstance(record, RankFailure) else ""
+                sys.stderr.write(f"accel_magic could not record rank {rank}'s end ({err!r}). {detail}\n")
 
     @staticmethod
     def _reset_accelerate() -> None:
@@ -339,6 +379,13 @@ class _Rank:
 
             AcceleratorState._reset_state(reset_partial_state=True)
             GradientState._reset_state()
+
+
+def versions_line() -> str:
+    """The versions a bug report needs, in one line."""
+    from .runtime import _versions
+
+    return ", ".join(f"{name} {version or '-'}" for name, version in _versions())
 
 
 # --- the parent's side -------------------------------------------------------------------------------------------
@@ -635,7 +682,7 @@ class _Relay:
 
 
 def launch(
-    body: Callable[[int, str], bytes | None],
+    body: Any,
     nprocs: int,
     *,
     backend: str,
@@ -649,9 +696,10 @@ def launch(
     receive: Callable[[bytes, str], Any] | None = None,
     max_bytes: int = 0,
 ) -> LaunchOutcome:
-    """Run `body(rank)` in `nprocs` forked ranks that form one process group. Rank 0's return value (bytes)
-    and the files it wrote in the folder it is given reach `receive(payload, folder)` in the kernel, whose answer
-    is `outcome.received`. The kernel is left as it was: no process, port, file or handler."""
+    """Run `body` (a RankBody: setup(rank), run(), results(rank, folder)) in `nprocs` forked ranks that form one
+    process group. What rank 0's results() returns (bytes) and the files it wrote in the folder it is given reach
+    `receive(payload, folder)` in the kernel, whose answer is `outcome.received`. The kernel is left as it was:
+    no process, port, file or handler."""
     outcome = LaunchOutcome(nprocs)
     started = time.perf_counter()
     known = {p.pid for p in _descendants(set())}
@@ -768,6 +816,12 @@ def launch_error(outcome: LaunchOutcome, timeout: float) -> LaunchError:
             f"rank {root.rank}: a collective waited more than {timeout:g} s (--timeout) for the other ranks; "
             f"every rank must reach the same collectives ({root.summary}).{stopped}"
         )
+    elif root.kind == "internal":
+        headline = (
+            f"accel_magic failed inside rank {root.rank} {root.summary}.{stopped} This is a bug in accel_magic, "
+            f"not in your cell: please report it at {ISSUES_URL} with the traceback and versions below."
+        )
+        return LaunchError(headline, f"{root.traceback.rstrip()}\nversions: {root.versions}", outcome)
     elif root.kind == "signal":
         headline = f"rank {root.rank} {root.summary}.{stopped}"
     elif root.kind == "exit":

@@ -274,7 +274,7 @@ class AccelMagics(Magics):
         from functools import partial
 
         from .accelerator import rank_accelerator, rank_environment
-        from .cell import rank_body, receive_results, unpack_results
+        from .cell import RankBody, receive_results, unpack_results
         from .display import forward_kernel_message, launch_banner, write_rank_text
         from .launch import LaunchError, check_port, cuda_fork_blocker, launch, launch_error
 
@@ -288,7 +288,7 @@ class AccelMagics(Magics):
             )
         ns = self.shell.user_ns
         notebook = {id(v): (k, v) for k, v in ns.items() if not k.startswith("_")}
-        body = rank_body(
+        body = RankBody(
             code,
             ns,
             make_accelerator=partial(rank_accelerator, plan),

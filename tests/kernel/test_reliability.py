@@ -15,7 +15,7 @@ import glob, os, psutil, tempfile, time
 def leftovers():
     me = psutil.Process()
     return (me.children(recursive=True),
-            sorted(c.laddr for c in me.net_connections() if c.status == psutil.CONN_LISTEN),
+            sorted(c.laddr for c in (getattr(me, 'net_connections', None) or me.connections)() if c.status == psutil.CONN_LISTEN),
             sorted(glob.glob(tempfile.gettempdir() + '/torchelastic_*') + glob.glob(tempfile.gettempdir() + '/accel_magic-*')))
 def settled(before, within=5.0):
     end = time.monotonic() + within
@@ -178,7 +178,7 @@ def test_listening_sockets_of_kernel_and_ranks_are_on_loopback_only(kernel_run) 
         "if accelerator.is_main_process:\n"
         "    kernel = psutil.Process(os.getppid())\n"
         "    for p in [kernel] + kernel.children(recursive=True):\n"
-        "        for c in p.net_connections():\n"
+        "        for c in (getattr(p, 'net_connections', None) or p.connections)():\n"
         "            if c.status == psutil.CONN_LISTEN:\n"
         "                print('LISTEN', 'kernel' if p.pid == kernel.pid else 'rank', c.laddr.ip, c.laddr.port)\n"
         "    print('STORE', os.environ['MASTER_PORT'])\n"

@@ -235,6 +235,54 @@ def test_failure_names_the_root_rank_then_the_next_launch_works(kernel_run, body
     assert cells.text(4).strip() == "before 2"
 
 
+# accel_magic's own machinery failing inside a rank, provoked by injected faults (stand-ins for a bug): before the
+# cell, torch refuses the thread count the rank sets up; after it, packing the results fails.
+MACHINERY_FAULTS = [
+    (
+        "set-up fails before the cell",
+        "import torch\n"
+        "def refuse(n):\n    raise RuntimeError('injected set-up fault')\n"
+        "torch.set_num_threads, real_set_num_threads = refuse, torch.set_num_threads",
+        "accel_magic failed inside rank 0 before the cell ran: RuntimeError: injected set-up fault",
+        "torch.set_num_threads = real_set_num_threads",
+    ),
+    (
+        "result writing fails after the cell",
+        "import accel_magic.cell as accel_cell\n"
+        "def broken(*args, **kwargs):\n    raise TypeError('injected packing fault')\n"
+        "accel_cell.pack_results, real_pack_results = broken, accel_cell.pack_results",
+        "accel_magic failed inside rank 0 after the cell ran: TypeError: injected packing fault",
+        "accel_cell.pack_results = real_pack_results",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("inject", "headline", "heal"), [f[1:] for f in MACHINERY_FAULTS], ids=[f[0] for f in MACHINERY_FAULTS]
+)
+def test_a_failure_of_accel_magic_inside_a_rank_is_reported_as_a_bug_with_its_traceback(
+    kernel_run, inject: str, headline: str, heal: str
+) -> None:
+    cells = kernel_run(
+        SETUP,
+        "keep = 'before'",
+        inject,
+        "%%accel_train -n 2\nkeep = 'changed'\naccelerator.wait_for_everyone()",
+        heal,
+        "%%accel_train -n 2\nafter = accelerator.num_processes",
+        "print(keep, after)",
+        allow_errors=True,
+    )
+    (error,) = [o for o in cells.outputs(3) if o["output_type"] == "error"]
+    assert error["ename"] == "LaunchError"
+    assert error["evalue"].startswith(headline), error["evalue"]
+    assert "This is a bug in accel_magic" in error["evalue"] and "without raising" not in error["evalue"]
+    tb = "\n".join(error["traceback"])
+    assert "Traceback (most recent call last)" in tb and "accel_magic" in tb  # our own frames: the bug's place
+    assert re.search(r"versions: python 3\.\d+\.\d+, torch \d", tb), tb
+    assert cells.text(6).strip() == "before 2"
+
+
 def test_syntax_error_is_reported_before_any_process_starts(kernel_run) -> None:
     cells = kernel_run(
         SETUP,
@@ -292,7 +340,7 @@ def test_nothing_is_left_behind_after_good_and_bad_launches(kernel_run) -> None:
         "    me = psutil.Process()\n"
         "    return (sorted(os.environ.items()),\n"
         "            [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGINT)],\n"
-        "            sorted(c.laddr for c in me.net_connections() if c.status == 'LISTEN'),\n"
+        "            sorted(c.laddr for c in (getattr(me, 'net_connections', None) or me.connections)() if c.status == 'LISTEN'),\n"
         "            me.children(recursive=True),\n"
         "            sorted(glob.glob(tempfile.gettempdir() + '/torchelastic_*') + glob.glob(tempfile.gettempdir() + '/accel_magic-*')))\n"
     )
