@@ -35,9 +35,9 @@ def unload_ipython_extension(ipython: Any) -> None:
             manager.magics[kind].pop(name, None)
     if instance is not None and instance in ipython.configurables:
         ipython.configurables.remove(instance)
-    launch = sys.modules.get(f"{__name__}.launch")
-    if launch is not None:
-        launch.shutdown_agent_thread()
+    elastic = sys.modules.get(f"{__name__}.launch.elastic")
+    if elastic is not None:
+        elastic.shutdown_agent_thread()
     for key in list(_set_by_us):
         os.environ.pop(key, None)
         _set_by_us.discard(key)

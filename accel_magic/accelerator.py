@@ -1,4 +1,13 @@
-"""Build the notebook's Accelerator from a plan, guarding the environment traps accelerate falls into."""
+"""Build the notebook's Accelerator from a plan, guarding the environment traps accelerate falls into.
+
+Private APIs of accelerate, used here only:
+- `AcceleratorState._reset_state(reset_partial_state=True)`, `GradientState._reset_state()` and the
+  `_shared_state` dicts of `PartialState` and `AcceleratorState` (accelerate 0.17 and later; accelerate's own
+  tests use them): an Accelerator built in an earlier cell, or copied into a rank through fork, would otherwise
+  fix the settings of every later one. Fallback: none; a test fails on every stack when they move.
+- `accelerate.utils.imports._torch_xla_available` (accelerate 0.2x and later): whether an already imported
+  accelerate has chosen XLA. Fallback: read with getattr, so a missing name means "not chosen".
+"""
 
 from __future__ import annotations
 

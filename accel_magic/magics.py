@@ -1,4 +1,10 @@
-"""AccelMagics: option parsing and glue between IPython and the probe, plan, accelerator and display."""
+"""AccelMagics: the options of `%accel_setup` and `%%accel_train` as arguments and traits, and every refusal as
+one IPython UsageError; the work itself is done by the modules it calls.
+
+Private API of the standard library's argparse, used here only:
+- `ArgumentParser._option_string_actions` (every Python 3): maps an option string to its action, to refuse an
+  option given twice (argparse keeps the last silently). Fallback: none; a test fails when it moves.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +31,10 @@ def _is_accelerator(obj: Any) -> bool:
     return isinstance(obj, LazyAccelerator) or (
         cls.__name__ == "Accelerator" and cls.__module__.startswith("accelerate")
     )
+
+
+def _identifier(name: str) -> bool:
+    return name.isidentifier() and not keyword.iskeyword(name)
 
 
 def _positive_int(value: str | None, option: str) -> int | None:
@@ -116,11 +126,14 @@ class AccelMagics(Magics):
         "Long enough for rank 0 to evaluate while the others wait at a barrier.",
     ).tag(config=True)
     max_return_mb = Float(1024.0, help="Limit, in MB, on what rank 0 sends back to the notebook.").tag(config=True)
+    result = Unicode("accel_result", help="Name of the variable that receives how the last launch ended.").tag(
+        config=True
+    )
 
     def __init__(self, shell: Any = None, **kwargs: Any):
         super().__init__(shell=shell, **kwargs)
         self.plan: Plan | None = None
-        self.accelerator_name = self.name
+        self.setup_name: str | None = None  # an explicit %accel_setup --name; else the `name` trait decides
 
     @validate("num_processes")
     def _check_num_processes(self, proposal: Any) -> Any:
@@ -128,10 +141,10 @@ class AccelMagics(Magics):
             raise TraitError(f"num_processes must be at least 1, not {proposal.value}.")
         return proposal.value
 
-    @validate("name")
+    @validate("name", "result")
     def _check_name(self, proposal: Any) -> Any:
-        if not proposal.value.isidentifier() or keyword.iskeyword(proposal.value):
-            raise TraitError(f"name must be a Python identifier, not {proposal.value!r}.")
+        if not _identifier(proposal.value):
+            raise TraitError(f"{proposal.trait.name} must be a Python identifier, not {proposal.value!r}.")
         return proposal.value
 
     def _request(self, args: Any) -> Request:
@@ -147,13 +160,34 @@ class AccelMagics(Magics):
 
     def _target_name(self, args: Any) -> str:
         name = args.name if args.name is not None else self.name
-        if not name.isidentifier() or keyword.iskeyword(name):
+        if not _identifier(name):
             raise UsageError(f"--name must be a Python identifier such as accelerator, not {name!r}.")
         existing = self.shell.user_ns.get(name)
         if existing is not None and not args.force and not _is_accelerator(existing):
             kind = type(existing).__name__
             raise UsageError(f"`{name}` already holds a {kind}: pass --force to replace it, or choose another --name.")
         return name
+
+    def _result_name(self, args: Any) -> str:
+        """Where the launch's outcome goes: never over a variable of the user's own without a word."""
+        from .launch import LaunchOutcome
+
+        name = args.result if args.result is not None else self.result
+        if not _identifier(name):
+            raise UsageError(f"--result must be a Python identifier such as accel_result, not {name!r}.")
+        existing = self.shell.user_ns.get(name)
+        if existing is not None and not isinstance(existing, LaunchOutcome):
+            kind = type(existing).__name__
+            raise UsageError(
+                f"`{name}` already holds a {kind}: choose another name for the launch's outcome with --result "
+                "(or %config AccelMagics.result); nothing was launched."
+            )
+        return name
+
+    @property
+    def accelerator_name(self) -> str:
+        """The variable that holds the Accelerator: an explicit %accel_setup --name, else the `name` trait."""
+        return self.setup_name or self.name
 
     def _setup(self, request: Request, name: str, quiet: bool, runtime: Runtime | None = None) -> Plan:
         from .accelerator import SetupError, build_accelerator, prepare_environment, reset_state
@@ -175,8 +209,8 @@ class AccelMagics(Magics):
             raise UsageError(f"accelerate could not build the Accelerator: {err}") from None
         self.shell.user_ns[name] = accelerator
         plan = replace(plan, notes=plan.notes + tuple(notes))
-        self.plan, self.accelerator_name = plan, name
-        from .display import mark_shown, show_plan
+        self.plan = plan
+        from .panel import mark_shown, show_plan
 
         if quiet:
             mark_shown(plan)
@@ -200,7 +234,9 @@ class AccelMagics(Magics):
         args = _parse(self.accel_setup, line, "accel_setup")
         request = self._request(args)
         name = self._target_name(args)
-        return self._setup(request, name, args.quiet)
+        plan = self._setup(request, name, args.quiet)
+        self.setup_name = args.name
+        return plan
 
     @magic_arguments()
     @plan_arguments
@@ -209,6 +245,7 @@ class AccelMagics(Magics):
     @argument("--no-return", action="store_true", help="bring nothing back to the notebook")
     @argument("--return", dest="returns", metavar="NAMES", help="bring back only these names (comma-separated)")
     @argument("--max-return-mb", metavar="MB", help="limit on what comes back (default 1024)")
+    @argument("--result", metavar="NAME", help="variable for how the launch ended (default: accel_result)")
     @cell_magic
     def accel_train(self, line: str, cell: str) -> None:
         """Run the cell as N ranks (forked processes forming one process group) and bring rank 0's results
@@ -219,6 +256,7 @@ class AccelMagics(Magics):
         globals()[...]) are not seen by --return.
         """
         from .cell import CellError, compile_cell
+        from .train import TrainError, run_in_kernel, run_ranks
 
         args = _parse(self.accel_train, line, "accel_train")
         max_mb = _positive_float(args.max_return_mb, "--max-return-mb") or self.max_return_mb
@@ -238,12 +276,25 @@ class AccelMagics(Magics):
                     "in an earlier cell; nothing was launched."
                 )
         returns = _returns(args, code.bound)
+        result_name = self._result_name(args)
         if plan.launch == "kernel":
             if self.plan is None or self.plan.request != request:
                 self._setup(request, self.accelerator_name, quiet=True, runtime=runtime)
-            self._run_in_kernel(cell)
+            run_in_kernel(self.shell, cell, result_name)
             return
-        self._run_ranks(code, plan, returns, port, int(max_mb * 2**20))
+        try:
+            run_ranks(
+                self.shell,
+                code,
+                plan,
+                name=self.accelerator_name,
+                result_name=result_name,
+                returns=returns,
+                port=port,
+                max_bytes=int(max_mb * 2**20),
+            )
+        except TrainError as err:
+            raise UsageError(str(err)) from None
 
     def _train_request(self, args: Any) -> Request:
         base = self.plan.request if self.plan is not None else Request()
@@ -256,81 +307,6 @@ class AccelMagics(Magics):
             mixed_precision=mp or base.mixed_precision or self.mixed_precision,
             timeout=_positive_float(args.timeout, "--timeout") or base.timeout or self.timeout,
         )
-
-    def _run_in_kernel(self, cell: str) -> None:
-        import time
-
-        from .launch import LaunchOutcome
-
-        start = time.perf_counter()
-        result = self.shell.run_cell(cell, store_history=False)
-        outcome = LaunchOutcome(1, time.perf_counter() - start, {0: 0 if result.success else 1})
-        if result.success:
-            self.shell.user_ns["accel_result"] = outcome
-
-    def _run_ranks(self, code: Any, plan: Plan, returns: tuple[str, ...], port: int | None, max_bytes: int) -> None:
-        import pickle
-        import time
-        from functools import partial
-
-        from .accelerator import rank_accelerator, rank_environment
-        from .cell import RankBody, receive_results, unpack_results
-        from .display import forward_kernel_message, launch_banner, write_rank_text
-        from .launch import LaunchError, check_port, cuda_fork_blocker, launch, launch_error
-
-        if port is not None and not check_port(port):
-            raise UsageError(f"Port {port} is in use: choose another with --port, or leave --port out.")
-        blocker = cuda_fork_blocker() if plan.device == "cuda" else None
-        if blocker:
-            raise UsageError(
-                f"{blocker}, so GPU ranks cannot be forked: restart the kernel, run %accel_setup first and keep "
-                "CUDA work inside %%accel_train cells."
-            )
-        ns = self.shell.user_ns
-        notebook = {id(v): (k, v) for k, v in ns.items() if not k.startswith("_")}
-        body = RankBody(
-            code,
-            ns,
-            make_accelerator=partial(rank_accelerator, plan),
-            name=self.accelerator_name,
-            returns=returns,
-            notebook=notebook,
-            max_bytes=max_bytes,
-        )
-        print(launch_banner(plan))
-        outcome = launch(
-            body,
-            plan.num_processes,
-            backend=plan.backend or "gloo",
-            threads=plan.threads_per_process,
-            timeout=plan.timeout,
-            env=rank_environment(plan),
-            cell_filename=code.filename,
-            on_text=write_rank_text,
-            on_message=forward_kernel_message,
-            port=port,
-            receive=lambda payload, folder: receive_results(pickle.loads(payload), folder),
-            max_bytes=max_bytes,
-        )
-        del body, notebook
-        if outcome.interrupted:
-            raise KeyboardInterrupt
-        if not outcome.ok:
-            raise launch_error(outcome, plan.timeout)
-        if outcome.receive_error:
-            raise LaunchError(
-                f"rank 0's results could not be read back ({outcome.receive_error}); nothing in the notebook changed."
-            )
-        apply, skipped = unpack_results(outcome.received, ns) if outcome.received is not None else (None, [])
-        outcome.skipped = tuple(skipped)
-        if apply is not None:
-            started = time.perf_counter()
-            apply()
-            outcome.results_seconds = {**outcome.received.seconds, "apply": time.perf_counter() - started}
-        ns["accel_result"] = outcome
-        if skipped:
-            listed = "; ".join(f"{name} ({reason})" for name, reason in skipped)
-            print(f"Not brought back to the notebook: {listed}.")
 
 
 def _returns(args: Any, bound: tuple[str, ...]) -> tuple[str, ...]:

@@ -52,17 +52,17 @@ class Plan:
     request: Request = field(default_factory=Request, compare=False)
 
     def __repr__(self) -> str:
-        from .display import plan_text
+        from .panel import plan_text
 
         return plan_text(self)
 
     def _repr_html_(self) -> str:
-        from .display import plan_html
+        from .panel import plan_html
 
         return plan_html(self)
 
     def _ipython_display_(self) -> None:
-        from .display import show_plan
+        from .panel import show_plan
 
         show_plan(self)
 

@@ -18,7 +18,6 @@ from typing import Any
 
 __all__ = ["GPU", "Runtime", "probe", "cpu_budget", "ram_bytes"]
 
-PLATFORMS = ("colab", "kaggle", "binder", "vscode", "jupyter", "terminal", "python")
 VERSIONED = ("torch", "accelerate", "ipython", "ipykernel", "ipywidgets")
 
 
@@ -288,7 +287,7 @@ def _tpu(env: Mapping[str, str], root: Path) -> str | None:
 # --- versions -------------------------------------------------------------------------------
 
 
-def _versions() -> tuple[tuple[str, str | None], ...]:
+def versions() -> tuple[tuple[str, str | None], ...]:
     found: list[tuple[str, str | None]] = [("python", _platform.python_version())]
     for dist in VERSIONED:
         try:
@@ -349,7 +348,7 @@ def probe(
         ram_bytes=ram_bytes(root),
         cuda_initialized=_cuda_initialized(),
         omp_num_threads=_omp(env),
-        versions=_versions(),
+        versions=versions(),
     )
 
 

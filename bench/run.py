@@ -13,12 +13,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import launch_overhead  # noqa: E402
-import memory  # noqa: E402
-import results_back  # noqa: E402
-import startup  # noqa: E402
-import throughput  # noqa: E402
-from common import machine  # noqa: E402
+import launch_overhead
+import memory
+import results_back
+import startup
+import throughput
+from common import machine
 
 CASES = {
     "startup": (startup.measure, {"repeats": 5}, {"repeats": 2}),

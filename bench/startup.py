@@ -24,7 +24,7 @@ get_ipython().run_line_magic("accel_setup", "")
 print("SETUP", time.perf_counter() - t0)
 from accel_magic.runtime import probe
 from accel_magic.plan import make_plan
-from accel_magic.display import panel_bundle
+from accel_magic.panel import panel_bundle
 for _ in range(5):
     t0 = time.perf_counter(); rt = probe(get_ipython()); t1 = time.perf_counter()
     plan = make_plan(rt); t2 = time.perf_counter()

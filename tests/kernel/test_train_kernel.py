@@ -248,11 +248,11 @@ MACHINERY_FAULTS = [
     ),
     (
         "result writing fails after the cell",
-        "import accel_magic.cell as accel_cell\n"
+        "import accel_magic.results as accel_results\n"
         "def broken(*args, **kwargs):\n    raise TypeError('injected packing fault')\n"
-        "accel_cell.pack_results, real_pack_results = broken, accel_cell.pack_results",
+        "accel_results.pack_results, real_pack_results = broken, accel_results.pack_results",
         "accel_magic failed inside rank 0 after the cell ran: TypeError: injected packing fault",
-        "accel_cell.pack_results = real_pack_results",
+        "accel_results.pack_results = real_pack_results",
     ),
 ]
 

@@ -27,6 +27,7 @@ TRAIN_LINES = [
     ("--port", ["0", "70000", "-5", "http"]),
     ("--max-return-mb", ["0", "-3", "lots"]),
     ("--return", ["not_bound", "x,,y_unbound"]),
+    ("--result", ["1abc", "class", "''", "keep"]),
 ]
 SETUP_CASES = [(f"{opt} {val}".strip(), "accel_setup") for opt, vals in SETUP_LINES for val in vals]
 SETUP_CASES += [
@@ -110,7 +111,7 @@ def test_no_shell_is_ever_invoked_with_text() -> None:
     """The package starts processes only with argument lists: no shell=True, os.system or os.popen."""
     package = pathlib.Path(__file__).parents[2] / "accel_magic"
     offenders = []
-    for path in package.glob("*.py"):
+    for path in package.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.keyword) and node.arg == "shell" and isinstance(node.value, ast.Constant):
                 offenders.append(f"{path.name}:{node.value.lineno} shell={node.value.value}")
@@ -120,7 +121,7 @@ def test_no_shell_is_ever_invoked_with_text() -> None:
 
 
 def test_panel_shows_no_environment_secrets(ip, monkeypatch: pytest.MonkeyPatch) -> None:
-    from accel_magic.display import panel_bundle
+    from accel_magic.panel import panel_bundle
 
     monkeypatch.setenv("HF_TOKEN", "hf_verysecret")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws_verysecret")

@@ -170,7 +170,8 @@ def test_bad_input_shows_no_traceback(ip, capsys) -> None:
 
 def test_fake_gpu_kernel_that_touched_cuda_refuses_to_fork_gpu_ranks(ip, monkeypatch: pytest.MonkeyPatch) -> None:
     """No GPU here: a fake 2xT4 runtime is probed, and the fork check is faked to report a poisoned kernel."""
-    from accel_magic import launch, magics
+    from accel_magic import magics
+    from accel_magic.launch import guard
     from accel_magic.runtime import GPU, Runtime
 
     fake_two_t4 = Runtime(
@@ -180,7 +181,7 @@ def test_fake_gpu_kernel_that_touched_cuda_refuses_to_fork_gpu_ranks(ip, monkeyp
         cpu_budget=4,
     )
     monkeypatch.setattr(magics, "probe", lambda shell=None: fake_two_t4)
-    monkeypatch.setattr(launch, "cuda_fork_blocker", lambda: "CUDA is already initialized in this kernel (fake)")
+    monkeypatch.setattr(guard, "cuda_fork_blocker", lambda: "CUDA is already initialized in this kernel (fake)")
     ip.user_ns["keep"] = "mine"
     with pytest.raises(
         UsageError,
@@ -204,7 +205,7 @@ def test_train_in_a_shell_without_kernel_runs_ranks_and_brings_names_back(ip, ca
 
 
 def test_panel_without_a_kernel_is_text_and_html_only(ip) -> None:
-    from accel_magic.display import WIDGET_VIEW, panel_bundle
+    from accel_magic.panel import WIDGET_VIEW, panel_bundle
 
     plan = ip.run_line_magic("accel_setup", "--quiet")
     bundle = panel_bundle(plan)
@@ -233,11 +234,40 @@ def test_panel_falls_back_to_text_and_html_when_ipywidgets_is_missing(ip, monkey
     """A kernel is faked (so a widget would be tried) and ipywidgets made unimportable."""
     import IPython
 
-    from accel_magic import display
+    from accel_magic import panel
 
     plan = ip.run_line_magic("accel_setup", "--quiet")
     fake_kernel_shell = type("FakeKernelShell", (), {"kernel": object()})()
     monkeypatch.setattr(IPython, "get_ipython", lambda: fake_kernel_shell)
     monkeypatch.setitem(sys.modules, "ipywidgets", None)
-    bundle = display.panel_bundle(plan)
+    bundle = panel.panel_bundle(plan)
     assert set(bundle) == {"text/plain", "text/html"} and "gloo" in bundle["text/plain"]
+
+
+def test_the_name_trait_set_after_loading_names_the_ranks_accelerator(ip) -> None:
+    ip.run_line_magic("config", "AccelMagics.name = 'acc'")
+    try:
+        ip.run_cell_magic("accel_train", "-n 2", "world = acc.num_processes\nhas_default = 'accelerator' in dir()")
+        assert ip.user_ns["world"] == 2 and ip.user_ns["has_default"] is False
+        ip.run_line_magic("accel_setup", "--quiet --name acc2")  # an explicit --name wins over the trait
+        ip.run_cell_magic("accel_train", "-n 2", "named = type(acc2).__name__")
+        assert ip.user_ns["named"] == "Accelerator"
+    finally:
+        ip.run_line_magic("config", "AccelMagics.name = 'accelerator'")
+        for name in ("world", "has_default", "named", "accel_result", "acc"):
+            ip.user_ns.pop(name, None)
+
+
+def test_the_launch_outcome_never_replaces_a_users_own_variable_without_a_word(ip) -> None:
+    ip.user_ns["accel_result"] = "my own result"
+    try:
+        with pytest.raises(UsageError, match=r"^`accel_result` already holds a str: choose another name .* --result"):
+            ip.run_cell_magic("accel_train", "-n 2", "ran = True")
+        assert "ran" not in ip.user_ns and ip.user_ns["accel_result"] == "my own result"
+        ip.run_cell_magic("accel_train", "-n 2 --result outcome", "ran = True")
+        assert ip.user_ns["accel_result"] == "my own result" and ip.user_ns["outcome"].ok
+        with pytest.raises(UsageError, match=r"--result must be a Python identifier"):
+            ip.run_cell_magic("accel_train", "-n 2 --result 'not a name'", "ran = True")
+    finally:
+        for name in ("accel_result", "outcome", "ran"):
+            ip.user_ns.pop(name, None)

@@ -1,14 +1,22 @@
-"""launch.py pieces that need no kernel: ports, the launch config, root-cause ordering, fork checks."""
+"""The launch package's pieces that need no kernel: ports, the launch config, root-cause ordering, fork checks."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from accel_magic import launch
-from accel_magic.launch import LaunchOutcome, RankFailure, check_port, launch_error, listener
+import accel_magic
+from accel_magic.launch import elastic, rank
+from accel_magic.launch.guard import check_port, listener
+from accel_magic.launch.outcome import LaunchOutcome, RankFailure, launch_error
+
+REPO = Path(accel_magic.__file__).resolve().parents[1]
 
 
 def test_the_rendezvous_socket_is_a_fresh_port_on_loopback_and_check_port_sees_it_taken() -> None:
@@ -33,18 +41,60 @@ def test_launch_config_never_asks_cuda_and_logs_in_the_private_dir(tmp_path: Pat
     monkeypatch.setattr(torch.cuda, "is_available", poisoned)
     monkeypatch.setattr(torch.cuda, "device_count", poisoned)
     before = set(Path("/tmp").glob("torchelastic_*"))
-    config = launch._launch_config(2, 29999, str(tmp_path / "logs"), 0.05, None)
+    config = elastic.launch_config(2, 29999, str(tmp_path / "logs"), 0.05, None)
     assert config.start_method == "fork" and config.max_restarts == 0
     assert config.rdzv_endpoint.startswith("127.0.0.1:")
     assert getattr(config, "numa_options", None) is None
     assert set(Path("/tmp").glob("torchelastic_*")) == before
 
 
-def test_cuda_fork_check_on_this_cpu_machine_says_yes_and_leaves_no_child() -> None:
-    import psutil
+FORK_CHECK = """
+import json, sys
+import psutil, torch
+from accel_magic.launch import guard
+exec(sys.argv[1])  # what the kernel asked torch before the check
+answer = guard.cuda_fork_blocker()
+children = [p.pid for p in psutil.Process().children(recursive=True)]
+print(json.dumps({"answer": answer, "children": children, "initialized": torch.cuda.is_initialized()}))
+"""
 
-    assert launch.cuda_fork_blocker() is None
-    assert psutil.Process().children() == []
+
+def fork_check_in_child(asked_first: str) -> dict:
+    """`cuda_fork_blocker()`'s answer in a fresh Python that imported torch and ran `asked_first`."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_CHECK, asked_first],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_cuda_fork_check_answers_none_where_cuda_was_never_touched_and_leaves_no_child() -> None:
+    found = fork_check_in_child("pass")
+    assert found == {"answer": None, "children": [], "initialized": False}
+
+
+def test_cuda_fork_check_sees_a_fork_poisoned_without_cuda_being_initialized() -> None:
+    import torch
+
+    if torch.version.cuda is None:
+        pytest.skip(
+            f"torch {torch.__version__} is a CPU build, which cannot poison fork; "
+            "this runs under a CUDA build of torch (e.g. the colab test environment)"
+        )
+    # Without PYTORCH_NVML_BASED_CUDA_CHECK, device_count() asks the CUDA runtime (on a machine without a GPU,
+    # or without NVML, too), which poisons every later fork while CUDA itself stays uninitialized.
+    found = fork_check_in_child("torch.cuda.device_count()")
+    assert found["initialized"] is False
+    assert found["answer"] is not None
+    assert found["answer"].startswith("this kernel asked CUDA something that poisons fork")
+    assert found["children"] == []
 
 
 def outcome(*failures: RankFailure, n: int = 2) -> LaunchOutcome:
@@ -111,12 +161,10 @@ def test_first_line_drops_gloo_source_prefix() -> None:
         "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1. "
         "This is typically caused by a remote worker crashing."
     )
-    assert launch._first_line(err) == "Connection closed by peer [127.0.0.1]:1."
-    assert launch._classify(err) == "collateral"
+    assert rank.first_line(err) == "Connection closed by peer [127.0.0.1]:1."
+    assert rank.classify(err) == "collateral"
 
 
 def test_a_users_own_timeout_error_is_an_ordinary_exception() -> None:
-    assert launch._classify(TimeoutError("timed out waiting for the lock")) == "exception"
-    assert (
-        launch._classify(RuntimeError("[x.cc:1] Timed out waiting 3000ms for recv operation to complete")) == "timeout"
-    )
+    assert rank.classify(TimeoutError("timed out waiting for the lock")) == "exception"
+    assert rank.classify(RuntimeError("[x.cc:1] Timed out waiting 3000ms for recv operation to complete")) == "timeout"

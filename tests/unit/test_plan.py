@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
+from dataclasses import FrozenInstanceError
 
 import pytest
 
-from accel_magic.plan import Plan, PlanError, Request, make_plan
+from accel_magic.plan import PlanError, Request, make_plan
 from accel_magic.runtime import GPU, Runtime
 
 CPU2 = Runtime(platform="jupyter", cpu_budget=2, cpu_count=2)
@@ -39,42 +40,42 @@ ROWS = [
         Request(cpu=True),
         dict(device="cpu", backend="gloo", cpu=True),
         None,
-    ),  # noqa: E501
+    ),
     (
         "one process runs in the kernel",
         CPU2,
         Request(),
         dict(num_processes=1, launch="kernel", threads_per_process=2),
         None,
-    ),  # noqa: E501
+    ),
     (
         "two CPU ranks split the CPU budget",
         CPU2,
         Request(num_processes=2),
         dict(launch="fork", threads_per_process=1),
         None,
-    ),  # noqa: E501
+    ),
     (
         "two ranks on a 1-CPU budget are allowed for learning",
         CPU1,
         Request(num_processes=2),
         dict(num_processes=2, threads_per_process=1),
         "for learning distributed training, not for speed",
-    ),  # noqa: E501
+    ),
     (
         "fp16 on CPU becomes full precision with a note",
         CPU2,
         Request(mixed_precision="fp16"),
         dict(mixed_precision="no"),
         "fp16 has no effect on the CPU",
-    ),  # noqa: E501
+    ),
     (
         "fp8 on CPU becomes full precision with a note",
         CPU2,
         Request(mixed_precision="fp8"),
         dict(mixed_precision="no"),
         "fp8 has no effect on the CPU",
-    ),  # noqa: E501
+    ),
     ("bf16 on CPU is kept", CPU2, Request(mixed_precision="bf16"), dict(mixed_precision="bf16"), None),
     (
         "FSDP without CUDA falls back to DDP",
@@ -82,14 +83,14 @@ ROWS = [
         Request(strategy="fsdp", num_processes=2),
         dict(strategy="ddp"),
         "FSDP needs CUDA GPUs",
-    ),  # noqa: E501
+    ),
     (
         "DeepSpeed without CUDA falls back to DDP",
         CPU2,
         Request(strategy="deepspeed"),
         dict(strategy="ddp"),
         "DeepSpeed needs CUDA GPUs",
-    ),  # noqa: E501
+    ),
     ("FSDP on GPUs is kept", TWO_T4, Request(strategy="fsdp"), dict(strategy="fsdp"), None),
     (
         "DeepSpeed on GPUs without the package falls back to DDP",
@@ -97,7 +98,7 @@ ROWS = [
         Request(strategy="deepspeed"),
         dict(strategy="ddp"),
         "DeepSpeed is not installed",
-    ),  # noqa: E501
+    ),
     ("TPU with torch_xla uses xla", TPU_XLA, Request(), dict(device="xla", backend="xla", cpu=False), None),
     (
         "TPU without torch_xla runs on CPU",
@@ -105,21 +106,21 @@ ROWS = [
         Request(),
         dict(device="cpu", backend="gloo"),
         "torch_xla is not installed",
-    ),  # noqa: E501
+    ),
     (
         "fp16 on TPU becomes bf16",
         TPU_XLA,
         Request(mixed_precision="fp16"),
         dict(mixed_precision="bf16"),
         "TPUs compute in bf16",
-    ),  # noqa: E501
+    ),
     (
         "P100 with a cu128 torch runs on CPU",
         P100_CU128,
         Request(),
         dict(device="cpu", backend="gloo", cpu=True),
         "cannot run the Tesla P100",
-    ),  # noqa: E501
+    ),
     ("a GPU with a CPU build of torch runs on CPU", GPU_CPU_TORCH, Request(), dict(device="cpu"), "CPU build"),
     (
         "one GPU builds the accelerator now and says fork launches need a restart",
@@ -127,21 +128,21 @@ ROWS = [
         Request(),
         dict(accelerator="eager", launch="kernel"),
         "kernel restart",
-    ),  # noqa: E501
+    ),
     (
         "several GPUs build the accelerator on first use",
         TWO_T4,
         Request(),
         dict(accelerator="lazy", launch="fork"),
         "built on first use",
-    ),  # noqa: E501
+    ),
     (
         "bf16 on a T4 becomes fp16",
         ONE_T4,
         Request(mixed_precision="bf16"),
         dict(mixed_precision="fp16"),
         "bf16 needs a GPU of compute capability 8.0",
-    ),  # noqa: E501
+    ),
     ("bf16 on an A100 is kept", A100_RT, Request(mixed_precision="bf16"), dict(mixed_precision="bf16"), None),
     (
         "fp8 on an A100 becomes bf16",
@@ -149,7 +150,7 @@ ROWS = [
         Request(mixed_precision="fp8"),
         dict(mixed_precision="bf16"),
         "fp8 needs a GPU",
-    ),  # noqa: E501
+    ),
     ("MPS runs one process", MPS, Request(), dict(device="mps", backend=None, num_processes=1), None),
     (
         "OMP_NUM_THREADS set by the user wins",
@@ -157,7 +158,7 @@ ROWS = [
         Request(num_processes=2),
         dict(threads_per_process=3),
         None,
-    ),  # noqa: E501
+    ),
 ]
 
 
@@ -197,11 +198,29 @@ def test_refusal_is_one_sentence_saying_what_to_do(runtime: Runtime, request_: R
     assert "\n" not in message and message.endswith(".")
 
 
-def test_plan_is_frozen_and_carries_its_runtime() -> None:
+def test_plans_of_the_same_decisions_are_equal_yet_each_keeps_the_runtime_and_request_it_was_made_from() -> None:
+    colab = Runtime(platform="colab", shell="colab", cpu_budget=2, cpu_count=8, ram_bytes=12 * 2**30)
+    asked = Request(num_processes=1, mixed_precision="no")
+    here, there = make_plan(CPU2), make_plan(colab, asked)
+    # Equality (and the hash) is about the decisions only: the same plan, whichever runtime or request led to it.
+    assert here == there and hash(here) == hash(there)
+    assert len({here, there}) == 1
+    # Yet each plan still carries its own runtime and request, which the panel and the next launch read.
+    assert here.runtime is CPU2 and there.runtime is colab
+    assert here.request == Request() and there.request is asked
+    assert "jupyter (shell: none)" in repr(here) and "colab" not in repr(here)
+    assert "colab (shell: colab)" in repr(there) and "12.0 GiB" in repr(there)
+    # One decision apart is another plan.
+    assert make_plan(CPU2, Request(num_processes=2)) != here
+    assert make_plan(CPU2, Request(timeout=30)) != here
+
+
+def test_a_plan_cannot_be_changed_in_place() -> None:
     plan = make_plan(CPU2)
-    assert isinstance(plan, Plan) and plan.runtime is CPU2
-    with pytest.raises(AttributeError):
-        plan.device = "cuda"  # type: ignore[misc]
+    for name, value in [("num_processes", 4), ("device", "cuda"), ("runtime", CPU1), ("notes", ("x",))]:
+        with pytest.raises(FrozenInstanceError):
+            setattr(plan, name, value)
+    assert (plan.num_processes, plan.device, plan.runtime, plan.notes) == (1, "cpu", CPU2, ())
 
 
 def test_plan_text_names_every_decision() -> None:

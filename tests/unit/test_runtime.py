@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import accel_magic
 from accel_magic import runtime
 from accel_magic.plan import Request, make_plan
 from accel_magic.runtime import GPU, probe
 
+REPO = Path(accel_magic.__file__).resolve().parents[1]
 CU128_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
 CU126_ARCHS = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")
 
@@ -210,7 +213,61 @@ def test_probe_never_reaches_the_cuda_runtime(
     assert rt.torch_cuda_archs == ()
 
 
-def test_real_probe_of_this_machine_reads_the_real_budget() -> None:
-    rt = probe()
-    assert rt.cpu_budget == runtime.cpu_budget(os.environ, Path("/"), len(os.sched_getaffinity(0)))
-    assert rt.version["python"] and rt.version["torch"]
+CHILD_PROBE = """
+import os, sys
+cpus = sys.argv[1]
+if cpus:
+    os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+from accel_magic.runtime import probe
+print(probe(root=sys.argv[2]).cpu_budget)
+"""
+
+
+def allowed_cpus() -> list[int]:
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("this platform cannot narrow a process's CPU affinity")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("this process may use only one CPU: a budget of 1 would not tell whether the probe counted")
+    return cpus
+
+
+def budget_in_child(cpus: list[int] | None, env: dict[str, str], root: Path | str = "/") -> int:
+    """The cpu_budget that probe() finds in a fresh Python whose affinity is `cpus` (None: left alone)."""
+    child_env = {k: v for k, v in os.environ.items() if k != "CPU_LIMIT"}
+    child_env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU to describe: the probe asks no torch subprocess
+    child_env.update(env)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD_PROBE, ",".join(map(str, cpus or [])), str(root)],
+        cwd=REPO,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
+
+
+def test_real_probe_counts_the_cpus_this_process_may_use_when_its_affinity_is_one_cpu() -> None:
+    first = allowed_cpus()[0]
+    assert budget_in_child([first], {}) == 1
+
+
+def test_real_probe_takes_cpu_limit_from_the_environment_with_affinity_left_alone() -> None:
+    allowed_cpus()
+    assert budget_in_child(None, {"CPU_LIMIT": "1"}) == 1
+
+
+def test_real_probe_of_a_process_allowed_two_cpus_and_no_quota_counts_two(fake_sys_root: Path) -> None:
+    two = allowed_cpus()[:2]
+    assert budget_in_child(two, {}, root=fake_sys_root) == 2
+
+
+def test_real_probe_reads_the_versions_of_this_environment() -> None:
+    import torch
+
+    rt = probe(env={"CUDA_VISIBLE_DEVICES": ""})
+    assert rt.version["python"] == "{}.{}.{}".format(*sys.version_info[:3])
+    assert rt.version["torch"] and torch.__version__.startswith(rt.version["torch"])  # 2.11.0 of 2.11.0+cu130

@@ -1,0 +1,120 @@
+"""The kernel kept as it was around a launch (environment, signal handlers, loggers, leftover processes), and
+the checks made before one: a free loopback port, and a fork that CUDA has not poisoned.
+
+Private API of torch, used here only:
+- `torch.cuda._is_in_bad_fork()` (torch 1.x and later): asked in a throw-away forked child, the only place where
+  a poisoned fork shows. Fallback: a torch without it (a CPU build) cannot poison fork, and the check says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["kernel_state_kept", "descendants", "stop", "check_port", "listener", "cuda_fork_blocker", "REAL_EXIT"]
+
+SIGNALS_KEPT = [s for s in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGINT") if hasattr(signal, s)]
+ELASTIC_LOGGERS = (
+    "torch.distributed.elastic",
+    "torch.distributed.launcher",
+    "torch.distributed.run",
+    "torch.multiprocessing",
+)
+REAL_EXIT = os._exit  # as the kernel had it: a rank's cell may replace os._exit, and the rank ends through this
+
+
+@contextlib.contextmanager
+def kernel_state_kept() -> Iterator[None]:
+    """Whatever torch's elastic agent changes in the kernel (environment, signal handlers, loggers) is put
+    back as it was."""
+    env = dict(os.environ)
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in SIGNALS_KEPT}
+    levels = {name: logging.getLogger(name).level for name in ELASTIC_LOGGERS}
+    for name in ELASTIC_LOGGERS:  # its error wall would repeat what the launch reports in one traceback
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(env):
+            del os.environ[key]
+        for key, value in env.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+        if threading.current_thread() is threading.main_thread():
+            for name, handler in handlers.items():
+                if handler is not None and signal.getsignal(getattr(signal, name)) is not handler:
+                    signal.signal(getattr(signal, name), handler)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def descendants(known: set[int]) -> list[Any]:
+    """The kernel's child processes (recursively), except those in `known`."""
+    import psutil
+
+    try:
+        return [p for p in psutil.Process().children(recursive=True) if p.pid not in known]
+    except psutil.Error:
+        return []
+
+
+def stop(procs: list[Any], grace: float = 2.0) -> None:
+    """SIGTERM, then SIGKILL after `grace` seconds; reap what we can."""
+    import psutil
+
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace)
+
+
+def check_port(port: int) -> bool:
+    """True when the port can be bound on loopback now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def listener(port: int | None) -> socket.socket:
+    """The rendezvous socket, bound to 127.0.0.1 now (port None: a free one), so no other launch or program
+    can take the port between choosing and using it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port or 0))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def cuda_fork_blocker() -> str | None:
+    """Why a forked child could not use CUDA, or None when it could. A throw-away fork asks torch: a parent
+    that initialized CUDA, or only poisoned it (torch.cuda.get_arch_list(), a plain is_available()), makes a
+    bad fork, which the parent itself cannot see."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if torch.cuda.is_initialized():
+        return "CUDA is already initialized in this kernel (a tensor or model on the GPU, or a device query)"
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the throw-away child
+        REAL_EXIT(1 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) == 0:
+        return None
+    return "this kernel asked CUDA something that poisons fork (such as torch.cuda.get_arch_list())"

@@ -1,0 +1,164 @@
+"""How a launch ended, as plain data: each rank's failure, the outcome, the rank where a failure started, and
+the one `LaunchError` the user sees. `collect` builds the outcome from what the ranks recorded; it reads nothing
+itself."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+__all__ = ["FailureKind", "RankFailure", "RankRecords", "LaunchOutcome", "LaunchError", "collect", "launch_error"]
+
+ISSUES_URL = "https://github.com/accel-magic/accel_magic/issues"
+
+FailureKind = Literal[
+    "exception",  # the cell raised
+    "exit",  # the cell called sys.exit or os._exit with a non-zero code
+    "signal",  # the rank ended without a record: killed, crashed, or ended by the agent
+    "collateral",  # an error that a dead peer caused (never the root cause)
+    "timeout",  # a collective waited past the process group's timeout
+    "internal",  # accel_magic's own machinery failed inside the rank, before or after the cell
+]
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """A rank's failure as plain data (no exception object, which would keep the launch alive)."""
+
+    rank: int
+    exitcode: int | None
+    kind: FailureKind
+    summary: str
+    traceback: str = ""
+    when: float | None = None
+    versions: str = ""  # for an internal failure: what a bug report needs
+
+
+@dataclass(frozen=True)
+class RankRecords:
+    """What one rank recorded in the launch's folder: that it started, how it ended."""
+
+    started: bool = False
+    duration: float | None = None  # set when the rank ended well
+    error: RankFailure | None = None
+
+
+@dataclass
+class LaunchOutcome:
+    num_processes: int
+    wall_time: float = 0.0
+    cleanup_time: float = 0.0  # part of wall_time spent putting the kernel back as it was
+    exitcodes: dict[int, int | None] = field(default_factory=dict)
+    durations: dict[int, float] = field(default_factory=dict)
+    failures: list[RankFailure] = field(default_factory=list)
+    received: Any = None  # what `receive` made of rank 0's results, in the kernel
+    receive_error: str = ""
+    interrupted: bool = False
+    agent_error: str = ""
+    skipped: tuple[tuple[str, str], ...] = ()
+    results_seconds: dict[str, float] = field(default_factory=dict)  # send (rank 0), receive, apply (kernel)
+    ended: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (exit code or -signal, when)
+
+    def __repr__(self) -> str:
+        status = "ok" if self.ok else ("interrupted" if self.interrupted else "failed")
+        ranks = ", ".join(
+            f"rank {r}: exit {c}" + (f" after {self.durations[r]:.2f} s" if r in self.durations else "")
+            for r, c in sorted(self.exitcodes.items())
+        )
+        return f"<accel_train {status}: {self.num_processes} processes, wall time {self.wall_time:.2f} s; {ranks}>"
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures and not self.interrupted and not self.agent_error
+
+    def root_cause(self) -> RankFailure | None:
+        """The rank where the failure started: an exception, exit or kill before any collateral error."""
+        if not self.failures:
+            return None
+
+        # The first to fail, by the time its record was written or its process was seen to end; errors that a
+        # dead peer caused come last whatever their time, and so do ends nobody saw.
+        def key(f: RankFailure) -> tuple[bool, bool, float, int]:
+            return (f.kind == "collateral", f.when is None, f.when or 0.0, f.rank)
+
+        return min(self.failures, key=key)
+
+
+class LaunchError(Exception):
+    """A launch that failed; shows one short traceback naming the rank where it started."""
+
+    def __init__(self, headline: str, details: str = "", outcome: LaunchOutcome | None = None):
+        super().__init__(headline)
+        self.headline = headline
+        self.details = details
+        self.outcome = outcome
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self.headline}"]
+        if self.details:
+            lines += self.details.rstrip("\n").split("\n")
+        return lines
+
+
+def abrupt(rank: int, code: int | None) -> RankFailure:
+    """A rank that ended without leaving a record: killed, crashed, or ended by the agent."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (as the out-of-memory killer does)" if name == "SIGKILL" else ""
+        return RankFailure(rank, code, "signal", f"was killed by {name}{hint}")
+    if code:
+        return RankFailure(rank, code, "signal", f"ended with exit code {code} without raising an exception")
+    return RankFailure(
+        rank, None, "signal", "died without raising an exception (killed, e.g. by the out-of-memory killer, or crashed)"
+    )
+
+
+def collect(outcome: LaunchOutcome, records: Mapping[int, RankRecords]) -> None:
+    """Fill in each rank's duration, exit code and failure from its records and from how its process was seen
+    to end (`outcome.ended`, `outcome.exitcodes`). A rank that started, left no record and ended while the
+    launch failed is a failure of its own (killed or crashed)."""
+    failed = bool(outcome.agent_error) or any(outcome.exitcodes.get(r) for r in records)
+    failed = failed or any(code for code, _ in outcome.ended.values())
+    for r, (code, _) in outcome.ended.items():
+        outcome.exitcodes[r] = code
+    for r, record in sorted(records.items()):
+        if record.duration is not None:
+            outcome.durations[r] = record.duration
+        if record.error is not None:
+            outcome.failures.append(record.error)
+        elif record.duration is None and record.started and (failed or outcome.exitcodes.get(r)):
+            code, when = outcome.ended.get(r, (outcome.exitcodes.get(r), None))
+            outcome.failures.append(replace(abrupt(r, code), when=when))
+
+
+def launch_error(outcome: LaunchOutcome, timeout: float) -> LaunchError:
+    """One exception for a failed launch, built outside any `except` block: it names the rank where the
+    failure started and holds nothing of the launch (so the rendezvous port is freed)."""
+    if outcome.agent_error:
+        return LaunchError(f"the launch failed before the cell ran: {outcome.agent_error}", outcome=outcome)
+    root = outcome.root_cause()
+    assert root is not None
+    stopped = " The other ranks were stopped." if outcome.num_processes > 1 else ""
+    if root.kind == "timeout":
+        headline = (
+            f"rank {root.rank}: a collective waited more than {timeout:g} s (--timeout) for the other ranks; "
+            f"every rank must reach the same collectives ({root.summary}).{stopped}"
+        )
+    elif root.kind == "internal":
+        headline = (
+            f"accel_magic failed inside rank {root.rank} {root.summary}.{stopped} This is a bug in accel_magic, "
+            f"not in your cell: please report it at {ISSUES_URL} with the traceback and versions below."
+        )
+        return LaunchError(headline, f"{root.traceback.rstrip()}\nversions: {root.versions}", outcome)
+    elif root.kind in ("signal", "exit"):
+        headline = f"rank {root.rank} {root.summary}.{stopped}"
+    else:
+        headline = f"rank {root.rank} raised {root.summary}" + (
+            "; the other ranks were stopped." if outcome.num_processes > 1 else ""
+        )
+    return LaunchError(headline, root.traceback, outcome)

@@ -1,0 +1,214 @@
+"""The program each forked rank runs: its output redirected to the kernel, the process group joined, the
+user's cell run through its body, and how it ended written as a record. A failure of this machinery, before or
+after the cell, is recorded as such (kind "internal"), never left to look like the cell's own exit."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Literal, Protocol
+
+from .guard import REAL_EXIT
+from .outcome import FailureKind, RankFailure
+from .relay import Pipes, capture_kernel_messages, frame
+from .workdir import Workdir
+
+__all__ = ["RankBody", "RankProgram", "INTERNAL_EXIT"]
+
+INTERNAL_EXIT = 70  # a rank whose own machinery failed (EX_SOFTWARE)
+# What torch.distributed raises (RuntimeError and its Dist*Error subclasses) when a collective waited past the
+# process group's timeout, and when another rank died first (never the root cause).
+DIST_ERRORS = ("RuntimeError", "DistError", "DistBackendError", "DistStoreError", "DistNetworkError")
+TIMED_OUT = ("timed out waiting", "operation timeout", "socket timeout", "wait timeout")
+COLLATERAL = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
+
+Phase = Literal["before", "cell", "after"]
+
+
+class RankBody(Protocol):
+    """What a launch runs in each rank, in three steps the rank tells apart."""
+
+    def setup(self, rank: int) -> None: ...  # before the cell: e.g. a fresh accelerator
+    def run(self) -> None: ...  # the user's cell
+    def results(self, rank: int, folder: str) -> bytes | None: ...  # after it: what goes back to the kernel
+
+
+def classify(err: BaseException) -> FailureKind:
+    """A timeout, an error that a dead peer caused, or an exception of its own."""
+    if type(err).__name__ not in DIST_ERRORS:
+        return "exception"
+    text = str(err).lower()
+    if any(t in text for t in TIMED_OUT):
+        return "timeout"
+    if any(t in text for t in COLLATERAL):
+        return "collateral"
+    return "exception"
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of the message, without gloo's source-file prefix and sign-off."""
+    text = str(err).splitlines()[0] if str(err) else ""
+    text = re.sub(r"^\[[^\]]+\.(?:cc|cpp|h):\d+\] ", "", text)
+    return text.split(" This is typically caused")[0]
+
+
+def cell_traceback(err: BaseException, cell_filename: str) -> str:
+    """The rank's traceback from the cell's first frame on (our own frames are noise to the user)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    start = next((i for i, f in enumerate(frames) if f.filename == cell_filename), None)
+    kept = frames[start:] if start is not None else frames[-1:]
+    lines = ["Traceback (most recent call last):\n"]
+    for f in kept:
+        where = f"Cell line {f.lineno}" if f.filename == cell_filename else f'File "{f.filename}", line {f.lineno}'
+        lines.append(f"  {where}, in {f.name}\n")
+        if f.line:
+            lines.append(f"    {f.line.strip()}\n")
+    lines += traceback.format_exception_only(type(err), err)
+    return "".join(lines)
+
+
+def versions_line() -> str:
+    """The versions a bug report needs, in one line."""
+    from ..runtime import versions
+
+    return ", ".join(f"{name} {version or '-'}" for name, version in versions())
+
+
+def listening_fds(port: int) -> list[int]:
+    """This process's sockets listening on `port` (IPv4 or IPv6): in a rank, the kernel's rendezvous store,
+    inherited through fork, which the rank must not keep listening."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # not a socket, or the listing's own fd
+            continue
+        try:
+            if (
+                sock.family in (socket.AF_INET, socket.AF_INET6)
+                and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                and sock.getsockname()[1] == port
+            ):
+                found.append(fd)
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+    return found
+
+
+class RankProgram:
+    """Everything a rank needs, inherited through fork; calling it runs the rank whose RANK the agent set."""
+
+    def __init__(self, body: RankBody, pipes: Pipes, workdir: Workdir, env: dict[str, str], threads: int,
+                 backend: str, timeout: float, cell_filename: str, port: int):  # fmt: skip
+        self.body, self.pipes, self.workdir, self.env = body, pipes, workdir, env
+        self.threads, self.backend, self.timeout, self.cell_filename = threads, backend, timeout, cell_filename
+        self.port = port
+
+    def __call__(self) -> None:
+        rank = int(os.environ.get("RANK", "0"))
+        start = time.time()
+        phase: Phase = "before"
+        try:
+            self.workdir.write("started", rank, os.getpid())
+            self._redirect(rank)
+            os.environ.update(self.env)
+            self._setup(rank)
+            phase = "cell"
+            self._run_cell(rank)
+            phase = "after"
+            payload = self.body.results(rank, self.workdir.results)
+            if payload is not None:
+                self.workdir.write_bytes("results", rank, payload)
+            self.workdir.write("status", rank, {"duration": time.time() - start})
+            exit_code = 0
+        except SystemExit as exc:  # only the cell raises it: its own exit, as the user asked
+            exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if exit_code == 0:
+                self._record("status", rank, {"duration": time.time() - start})
+            else:
+                summary = f"called sys.exit({exc.code!r})"
+                self._record("error", rank, RankFailure(rank, exit_code, "exit", summary, "", time.time()))
+        except BaseException as err:  # the rank must never unwind into the kernel's code
+            self._record("error", rank, self._failure(rank, err, phase))
+            exit_code = 1 if phase == "cell" else INTERNAL_EXIT
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        if exit_code:
+            REAL_EXIT(exit_code)
+
+    def _redirect(self, rank: int) -> None:
+        os.dup2(self.pipes.out[rank][1], 1)
+        os.dup2(self.pipes.err[rank][1], 2)
+        msg_w = os.dup(self.pipes.msg[rank][1])
+        os.write(msg_w, frame({"hello": os.getpid()}))  # the kernel watches this pid from now on
+        for fd in self.pipes.all_fds() + listening_fds(self.port):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        # Fresh streams on the new fds: the kernel's stream objects hold locks its threads may have held at fork.
+        sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+        sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+        capture_kernel_messages(rank, msg_w)
+
+    def _setup(self, rank: int) -> None:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        from ..accelerator import reset_state
+
+        torch.set_num_threads(self.threads)
+        reset_state()  # state copied from the notebook would make the rank believe it trains alone
+        if not dist.is_initialized():
+            dist.init_process_group(self.backend, timeout=timedelta(seconds=self.timeout))
+        self.body.setup(rank)
+
+    def _run_cell(self, rank: int) -> None:
+        """Run the cell; a call to os._exit in it leaves no exception, so it is recorded, then done as asked."""
+
+        def recorded_exit(code: int) -> None:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+                if code:
+                    failure = RankFailure(rank, code, "exit", f"called os._exit({code})", "", time.time())
+                    self.workdir.write("error", rank, failure)
+            REAL_EXIT(code)
+
+        real_exit, os._exit = os._exit, recorded_exit
+        try:
+            self.body.run()
+        finally:
+            os._exit = real_exit
+
+    def _failure(self, rank: int, err: BaseException, phase: Phase) -> RankFailure:
+        """The record of an exception: the cell's own (or a collective's), or this machinery's."""
+        kind = "exception" if isinstance(err, KeyboardInterrupt) else classify(err)
+        first = first_line(err)
+        summary = f"{type(err).__name__}: {first}" if first else type(err).__name__
+        user_facing = getattr(err, "no_traceback", False)  # a refusal worded for the user (results too large)
+        own = phase != "cell" and kind == "exception" and not isinstance(err, KeyboardInterrupt | MemoryError)
+        if not own or user_facing:  # the cell's, a peer's, or out of memory: not a bug of this machinery
+            tb = "" if user_facing else cell_traceback(err, self.cell_filename)
+            return RankFailure(rank, 1, kind, summary, tb, time.time())
+        tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        return RankFailure(rank, INTERNAL_EXIT, "internal", f"{phase} the cell ran: {summary}", tb, time.time(),
+                           versions_line())  # fmt: skip
+
+    def _record(self, kind: Any, rank: int, record: Any) -> None:
+        """Write a record; when even that fails, say so on the rank's stderr (the cell's output)."""
+        try:
+            self.workdir.write(kind, rank, record)
+        except BaseException as err:
+            with contextlib.suppress(Exception):
+                detail = f"{record.summary}\n{record.traceback}" if isinstance(record, RankFailure) else ""
+                sys.stderr.write(f"accel_magic could not record rank {rank}'s end ({err!r}). {detail}\n")

@@ -1,0 +1,281 @@
+"""Rank 0's results: packed into files in the launch's folder (in the rank), read back and applied to the
+notebook all at once (in the kernel). The manifest that travels between the two is encoded and decoded here.
+
+Patched, not private: `accelerate.Accelerator.prepare` is wrapped in a rank (public API, accelerate 0.x and
+later) to remember what each call was given, so trained state goes back into the notebook's own objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import time
+import types
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+__all__ = [
+    "Item",
+    "Skipped",
+    "Packed",
+    "Loaded",
+    "Received",
+    "ResultsTooLarge",
+    "pack_results",
+    "receive_results",
+    "unpack_results",
+    "track_prepare",
+]
+
+Action = Literal[
+    "value",  # a value made in the rank, moved to the CPU
+    "load_state",  # a notebook model or optimizer: its state is loaded into the notebook's own object
+    "keep",  # the notebook's own dataloader or scheduler, which stays as it was
+    "import",  # a module: imported again in the kernel
+]
+
+
+class Item(NamedTuple):
+    """One name rank 0 sends back."""
+
+    name: str
+    action: Action
+    home: str | None  # the notebook name of the object it belongs to ("keep", "load_state"), or the module
+    file: str  # the file in the results folder that holds its value ("" when nothing is written)
+
+
+class Skipped(NamedTuple):
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Packed:
+    """The manifest rank 0 sends: per name an item, plus what could not come."""
+
+    items: tuple[Item, ...]
+    sizes: tuple[tuple[str, int], ...] = ()  # (name, bytes) of what was written
+    skipped: tuple[Skipped, ...] = ()
+    seconds: float = 0.0  # time rank 0 spent writing them
+
+
+class Loaded(NamedTuple):
+    """One item read back in the kernel, not yet applied."""
+
+    name: str
+    action: Action
+    home: str | None
+    value: Any
+
+
+def _to_cpu(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, torch.nn.Module):
+        return value.to("cpu")
+    if isinstance(value, dict):  # state dicts (OrderedDict), optimizer states (nested dicts)
+        items = [(k, _to_cpu(v)) for k, v in value.items()]
+        try:
+            return type(value)(items)
+        except TypeError:  # a dict subclass with another constructor
+            return dict(items)
+    if type(value) in (list, tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _reason(err: BaseException) -> str:
+    text = str(err).splitlines()[0] if str(err) else ""
+    return f"{type(err).__name__}: {text}"[:120] if text else type(err).__name__
+
+
+def _too_large(sizes: list[tuple[str, int]], max_bytes: int, unmeasured: int) -> ResultsTooLarge:
+    total = sum(size for _, size in sizes)
+    biggest = ", ".join(f"{n} {size / 2**20:.1f} MB" for n, size in sorted(sizes, key=lambda x: -x[1])[:3])
+    more = f", and {unmeasured} more not measured" if unmeasured else ""
+    return ResultsTooLarge(
+        f"rank 0's results total {total / 2**20:.1f} MB, over the {max_bytes / 2**20:.0f} MB limit "
+        f"(biggest: {biggest}{more}): return fewer names with --return, use --no-return, or raise --max-return-mb"
+    )
+
+
+def pack_results(
+    ns: Mapping[str, Any],
+    names: Iterable[str],
+    prepared: Mapping[int, Any],
+    notebook: Mapping[int, tuple[str, Any]],
+    folder: str,
+    max_bytes: int = 2**62,
+) -> Packed:
+    """Write rank 0's results into `folder`, one file per name (torch.save: tensors travel as plain bytes,
+    never as file-descriptor-shared storage), and return the manifest.
+
+    ``prepared`` maps id(what accelerator.prepare returned) to what it was given; ``notebook`` maps
+    id(object) to (its name in the notebook before the launch, the object): fork keeps identities, and holding
+    the objects keeps their ids from being reused in the rank. Models and optimizers that came from the
+    notebook go back as state to load into the notebook's own objects; its dataloaders and schedulers stay as
+    they were; everything else is moved to the CPU. Raises ResultsTooLarge past `max_bytes`.
+    """
+
+    started = time.perf_counter()
+    names = [n for n in names if n in ns]
+    items: list[Item] = []
+    sizes: list[tuple[str, int]] = []
+    skipped: list[Skipped] = []
+    for index, name in enumerate(names):
+        value = ns[name]
+        if type(value).__name__ in ("Accelerator", "LazyAccelerator"):
+            continue
+        if isinstance(value, types.ModuleType):
+            items.append(Item(name, "import", value.__name__, ""))
+            continue
+        original = prepared.get(id(value), value)
+        name_and_object = notebook.get(id(original))
+        home = name_and_object[0] if name_and_object is not None and name_and_object[1] is original else None
+        if home is not None and original is not value and not isinstance(original, _stateful_types()):
+            items.append(Item(name, "keep", home, ""))  # the notebook's own dataloader or scheduler
+            continue
+        stateful = home is not None and isinstance(original, _stateful_types())
+        path = os.path.join(folder, f"item-{index}")
+        try:
+            _save(_to_cpu(original.state_dict() if stateful else original), path)
+        except MemoryError:
+            raise  # not a property of one value: the sending itself failed
+        except Exception as err:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            skipped.append(Skipped(name, _reason(err)))
+            continue
+        action: Action = "load_state" if stateful else "value"
+        items.append(Item(name, action, home if stateful else None, os.path.basename(path)))
+        sizes.append((name, os.path.getsize(path)))
+        if sum(size for _, size in sizes) > max_bytes:
+            raise _too_large(sizes, max_bytes, len(names) - index - 1)
+    return Packed(tuple(items), tuple(sizes), tuple(skipped), time.perf_counter() - started)
+
+
+def _save(value: Any, path: str) -> None:
+    """torch.save without the zip checksums: the file lives for one launch, in a private folder."""
+    import torch
+    from torch import serialization
+
+    set_crc = getattr(serialization, "set_crc32_options", None)
+    if set_crc is not None:
+        set_crc(False)
+    torch.save(value, path)
+
+
+def _stateful_types() -> tuple[type, ...]:
+    import torch
+
+    return (torch.nn.Module, torch.optim.Optimizer)
+
+
+@dataclass(frozen=True)
+class Received:
+    """Rank 0's results read back into the kernel, not yet applied."""
+
+    items: tuple[Loaded, ...]
+    skipped: tuple[Skipped, ...]
+    seconds: dict[str, float]  # "send" (in rank 0) and "receive" (in the kernel)
+
+
+def receive_results(packed: Packed, folder: str) -> Received:
+    """Load every item the rank wrote (before the folder is removed); what cannot load is listed."""
+    import torch
+
+    started = time.perf_counter()
+    items: list[Loaded] = []
+    skipped = list(packed.skipped)
+    for name, action, home, filename in packed.items:
+        try:
+            # mmap: a state is then copied once, straight from the file into the notebook's parameters
+            path = os.path.join(folder, filename)
+            value = torch.load(path, map_location="cpu", weights_only=False, mmap=True) if filename else None
+        except Exception as err:
+            skipped.append(Skipped(name, _reason(err)))
+            continue
+        items.append(Loaded(name, action, home, value))
+    return Received(tuple(items), tuple(skipped), {"send": packed.seconds, "receive": time.perf_counter() - started})
+
+
+def unpack_results(received: Received, ns: Mapping[str, Any]) -> tuple[Callable[[], None], list[Skipped]]:
+    """Decide everything the notebook will take, without changing it. Returns (apply, skipped): apply()
+    makes every change at once."""
+    updates: dict[str, Any] = {}
+    loads: list[tuple[Any, Any]] = []
+    skipped = list(received.skipped)
+    for name, action, home, value in received.items:
+        try:
+            if action == "keep":
+                updates[name] = ns[home]
+            elif action == "import":
+                updates[name] = importlib.import_module(home)
+            elif action == "load_state":
+                target = ns[home]
+                _check_state(target, value)
+                loads.append((target, value))
+                updates[name] = target
+            else:
+                updates[name] = value
+        except Exception as err:
+            skipped.append(Skipped(name, _reason(err)))
+
+    def apply() -> None:
+        for target, state in loads:
+            target.load_state_dict(state)
+        for key, value in updates.items():
+            ns[key] = value  # type: ignore[index]
+
+    return apply, skipped
+
+
+def _check_state(target: Any, state: Mapping[str, Any]) -> None:
+    """Refuse a state that would fail half-way through load_state_dict."""
+    import torch
+
+    if isinstance(target, torch.nn.Module):
+        mine = target.state_dict()
+        if set(mine) != set(state):
+            raise ValueError("the model's parameters changed shape or names in the cell")
+        for key, tensor in state.items():
+            if getattr(mine[key], "shape", None) != getattr(tensor, "shape", None):
+                raise ValueError(f"{key} changed shape in the cell")
+    elif isinstance(target, torch.optim.Optimizer):
+        if len(target.param_groups) != len(state.get("param_groups", ())):
+            raise ValueError("the optimizer's parameter groups changed in the cell")
+
+
+class ResultsTooLarge(Exception):
+    """Rank 0's results exceed the limit; the message names the biggest."""
+
+    no_traceback = True
+
+
+def track_prepare(prepared: dict[int, Any]) -> None:
+    """Remember what each accelerator.prepare call was given, by the id of what it returned (rank only)."""
+    from accelerate import Accelerator
+
+    original = Accelerator.prepare
+    if getattr(original, "_accel_magic", False):
+        original = original.__wrapped__
+
+    def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        outputs = result if isinstance(result, tuple) else (result,)
+        for given, returned in zip(args, outputs, strict=False):
+            prepared[id(returned)] = given
+            prepared.setdefault(id(given), given)
+            _keep.append((given, returned))  # ids stay valid while the rank lives
+        return result
+
+    prepare.__wrapped__ = original  # type: ignore[attr-defined]
+    prepare._accel_magic = True  # type: ignore[attr-defined]
+    Accelerator.prepare = prepare  # type: ignore[method-assign]
+
+
+_keep: list[Any] = []

@@ -1,0 +1,125 @@
+"""Run a compiled cell under a plan: in the kernel like a normal cell, or as forked ranks whose rank 0 results
+are applied to the notebook afterwards."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+from .cell import CellCode
+from .plan import Plan
+
+__all__ = ["TrainError", "CellBody", "run_in_kernel", "run_ranks"]
+
+
+class TrainError(RuntimeError):
+    """The launch cannot start here; the message is one sentence saying what to do."""
+
+
+class CellBody:
+    """What each rank runs: a fresh accelerator (setup), the cell in the rank's copy of the namespace (run),
+    and on rank 0 the results written into the launch's private folder (results: the manifest)."""
+
+    def __init__(self, cell: CellCode, ns: dict[str, Any], *, make_accelerator: Callable[[], Any], name: str,
+                 returns: tuple[str, ...], notebook: Mapping[int, tuple[str, Any]], max_bytes: int):  # fmt: skip
+        self.cell, self.ns, self.make_accelerator, self.name = cell, ns, make_accelerator, name
+        self.returns, self.notebook, self.max_bytes = returns, notebook, max_bytes
+        self.prepared: dict[int, Any] = {}
+
+    def setup(self, rank: int) -> None:
+        from .results import track_prepare
+
+        track_prepare(self.prepared)
+        self.ns[self.name] = self.make_accelerator()
+
+    def run(self) -> None:
+        exec(self.cell.code, self.ns)
+
+    def results(self, rank: int, folder: str) -> bytes | None:
+        from .results import pack_results
+
+        if rank != 0 or not self.returns:
+            return None
+        packed = pack_results(self.ns, self.returns, self.prepared, self.notebook, folder, self.max_bytes)
+        return pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def run_in_kernel(shell: Any, cell: str, result_name: str) -> None:
+    """Run the cell in the kernel like a normal cell (its errors show as a normal cell's do)."""
+    from .launch import LaunchOutcome
+
+    start = time.perf_counter()
+    result = shell.run_cell(cell, store_history=False)
+    outcome = LaunchOutcome(1, time.perf_counter() - start, {0: 0 if result.success else 1})
+    if result.success:
+        shell.user_ns[result_name] = outcome
+
+
+def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name: str, returns: tuple[str, ...],
+              port: int | None, max_bytes: int) -> None:  # fmt: skip
+    """Run the cell as the plan's ranks and apply rank 0's results to the notebook at once. Raises TrainError
+    before anything starts, LaunchError when the launch failed (the notebook unchanged), KeyboardInterrupt
+    when it was interrupted."""
+    from .accelerator import rank_accelerator, rank_environment
+    from .display import launch_banner, write_rank_text
+    from .launch import LaunchError, launch, launch_error
+    from .launch.guard import check_port, cuda_fork_blocker
+    from .launch.relay import publish_kernel_message
+    from .results import receive_results, unpack_results
+
+    if port is not None and not check_port(port):
+        raise TrainError(f"Port {port} is in use: choose another with --port, or leave --port out.")
+    blocker = cuda_fork_blocker() if plan.device == "cuda" else None
+    if blocker:
+        raise TrainError(
+            f"{blocker}, so GPU ranks cannot be forked: restart the kernel, run %accel_setup first and keep "
+            "CUDA work inside %%accel_train cells."
+        )
+    ns = shell.user_ns
+    notebook = {id(v): (k, v) for k, v in ns.items() if not k.startswith("_")}
+    body = CellBody(
+        code,
+        ns,
+        make_accelerator=partial(rank_accelerator, plan),
+        name=name,
+        returns=returns,
+        notebook=notebook,
+        max_bytes=max_bytes,
+    )
+    print(launch_banner(plan))
+    outcome = launch(
+        body,
+        plan.num_processes,
+        backend=plan.backend or "gloo",
+        threads=plan.threads_per_process,
+        timeout=plan.timeout,
+        env=rank_environment(plan),
+        cell_filename=code.filename,
+        on_text=write_rank_text,
+        on_message=publish_kernel_message,
+        port=port,
+        receive=lambda payload, folder: receive_results(pickle.loads(payload), folder),
+        max_bytes=max_bytes,
+    )
+    del body, notebook
+    if outcome.interrupted:
+        raise KeyboardInterrupt
+    if not outcome.ok:
+        raise launch_error(outcome, plan.timeout)
+    if outcome.receive_error:
+        raise LaunchError(
+            f"rank 0's results could not be read back ({outcome.receive_error}); nothing in the notebook changed."
+        )
+    apply, skipped = unpack_results(outcome.received, ns) if outcome.received is not None else (None, [])
+    outcome.skipped = tuple(skipped)
+    if apply is not None:
+        started = time.perf_counter()
+        apply()
+        outcome.results_seconds = {**outcome.received.seconds, "apply": time.perf_counter() - started}
+    ns[result_name] = outcome
+    if skipped:
+        listed = "; ".join(f"{item} ({reason})" for item, reason in skipped)
+        print(f"Not brought back to the notebook: {listed}.")

@@ -1,0 +1,116 @@
+"""outcome.collect and launch_error from records alone: what each rank left in the launch's folder, and how its
+process was seen to end, become the failures, durations and exit codes of the outcome, and one headline."""
+
+from __future__ import annotations
+
+from accel_magic.launch.outcome import LaunchOutcome, RankFailure, RankRecords, collect, launch_error
+
+VALUE_ERROR_TB = "Traceback (most recent call last):\n  Cell line 2, in <module>\n    boom()\nValueError: x\n"
+
+
+def test_a_rank_with_an_error_record_becomes_a_failure_and_a_rank_that_ended_well_does_not() -> None:
+    error = RankFailure(0, 1, "exception", "ValueError: x", VALUE_ERROR_TB, when=10.0)
+    outcome = LaunchOutcome(2, exitcodes={0: 1, 1: 0})
+    collect(outcome, {0: RankRecords(started=True, error=error), 1: RankRecords(started=True, duration=2.5)})
+    assert outcome.failures == [error]
+    assert outcome.durations == {1: 2.5}
+    assert not outcome.ok
+
+
+def test_a_rank_that_started_left_no_record_and_was_seen_killed_is_reported_killed_and_is_the_root_cause() -> None:
+    # The peer's collateral error was written *before* the kill was seen: the kill still comes first.
+    collateral = RankFailure(0, 1, "collateral", "RuntimeError: Connection closed by peer", when=99.0)
+    outcome = LaunchOutcome(2, exitcodes={0: 1, 1: -15}, ended={1: (-9, 100.5)})
+    collect(outcome, {0: RankRecords(started=True, error=collateral), 1: RankRecords(started=True)})
+    assert len(outcome.failures) == 2
+    killed = next(f for f in outcome.failures if f.rank == 1)
+    assert (killed.kind, killed.exitcode, killed.when) == ("signal", -9, 100.5)
+    assert killed.summary == "was killed by SIGKILL (as the out-of-memory killer does)"
+    assert outcome.root_cause() == killed
+    assert str(launch_error(outcome, 900)) == (
+        "rank 1 was killed by SIGKILL (as the out-of-memory killer does). The other ranks were stopped."
+    )
+
+
+def test_a_rank_seen_without_a_watch_is_named_by_the_agents_exit_code_and_its_time_is_unknown() -> None:
+    outcome = LaunchOutcome(2, exitcodes={0: 0, 1: 3})
+    collect(outcome, {0: RankRecords(started=True, duration=1.0), 1: RankRecords(started=True)})
+    assert outcome.failures == [
+        RankFailure(1, 3, "signal", "ended with exit code 3 without raising an exception", when=None)
+    ]
+
+
+def test_a_rank_that_never_started_and_left_no_record_is_not_blamed() -> None:
+    error = RankFailure(0, 1, "exception", "ValueError: x", when=5.0)
+    outcome = LaunchOutcome(2, exitcodes={0: 1, 1: -15}, ended={0: (1, 5.1), 1: (-15, 5.2)})
+    collect(outcome, {0: RankRecords(started=True, error=error), 1: RankRecords()})
+    assert outcome.failures == [error]
+    assert outcome.exitcodes == {0: 1, 1: -15}
+
+
+def test_durations_come_from_the_ranks_records() -> None:
+    outcome = LaunchOutcome(3, exitcodes={0: 0, 1: 0, 2: 0})
+    records = {
+        0: RankRecords(started=True, duration=1.25),
+        1: RankRecords(started=True, duration=2.5),
+        2: RankRecords(started=True, duration=0.75),
+    }
+    collect(outcome, records)
+    assert outcome.durations == {0: 1.25, 1: 2.5, 2: 0.75}
+    assert outcome.failures == [] and outcome.ok
+
+
+def test_when_nothing_failed_a_rank_without_a_status_record_is_not_made_a_failure() -> None:
+    outcome = LaunchOutcome(2, exitcodes={0: 0, 1: 0}, ended={0: (0, 1.0), 1: (0, 1.1)})
+    collect(outcome, {0: RankRecords(started=True, duration=0.9), 1: RankRecords(started=True)})
+    assert outcome.failures == []
+    assert outcome.ok
+    assert outcome.durations == {0: 0.9}
+
+
+def test_exit_codes_seen_when_the_processes_ended_override_the_agents() -> None:
+    # The agent reports the SIGTERM it sent while tearing down; the watch saw the process end by SIGKILL first.
+    # A rank the agent did not report at all still gets the code the watch saw.
+    outcome = LaunchOutcome(3, exitcodes={0: 1, 1: -15}, ended={1: (-9, 7.0), 2: (-15, 7.2)})
+    error = RankFailure(0, 1, "collateral", "Connection reset by peer", when=7.1)
+    records = {0: RankRecords(started=True, error=error), 1: RankRecords(started=True), 2: RankRecords()}
+    collect(outcome, records)
+    assert outcome.exitcodes == {0: 1, 1: -9, 2: -15}
+    assert [f.exitcode for f in outcome.failures if f.rank == 1] == [-9]
+
+
+def test_the_headline_names_the_rank_whose_error_was_recorded_first() -> None:
+    records = {
+        0: RankRecords(started=True, error=RankFailure(0, 1, "exception", "KeyError: 'a'", when=30.0)),
+        1: RankRecords(started=True, error=RankFailure(1, 1, "collateral", "Connection closed by peer", when=10.0)),
+        2: RankRecords(started=True, error=RankFailure(2, 1, "exception", "ValueError: b", when=20.0)),
+        3: RankRecords(started=True, duration=4.0),
+    }
+    outcome = LaunchOutcome(4, exitcodes={0: 1, 1: 1, 2: 1, 3: 0})
+    collect(outcome, records)
+    err = launch_error(outcome, 900)
+    assert err.headline == "rank 2 raised ValueError: b; the other ranks were stopped."
+    assert err.outcome is outcome
+
+
+def test_a_failure_inside_accel_magic_says_so_and_ends_its_details_with_the_versions() -> None:
+    tb = 'Traceback (most recent call last):\n  File "x.py", line 1, in setup\nImportError: no accelerate\n'
+    internal = RankFailure(
+        0,
+        70,
+        "internal",
+        "before the cell ran: ImportError: no accelerate",
+        tb,
+        when=3.0,
+        versions="python 3.12.1, torch 2.5.1, accelerate -",
+    )
+    outcome = LaunchOutcome(2, exitcodes={0: 70, 1: -15})
+    collect(outcome, {0: RankRecords(started=True, error=internal), 1: RankRecords(started=True)})
+    err = launch_error(outcome, 900)
+    assert err.headline.startswith(
+        "accel_magic failed inside rank 0 before the cell ran: ImportError: no accelerate. The other ranks were "
+        "stopped. This is a bug in accel_magic, not in your cell"
+    )
+    details = err.details.split("\n")
+    assert details[-1] == "versions: python 3.12.1, torch 2.5.1, accelerate -"
+    assert details[-2] == "ImportError: no accelerate"
