@@ -1,4 +1,5 @@
-"""accel_magic: `%accel_setup` and `%%accel_train` make accelerate work in any notebook runtime.
+"""accel_magic: `%accel_setup` and `%%accel_train` make accelerate work in any notebook runtime, and
+`notebook_launcher` is accelerate's, run by the same launcher.
 
 Importing this package or loading the extension imports none of torch, accelerate or ipywidgets.
 """
@@ -10,7 +11,7 @@ import sys
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["__version__", "load_ipython_extension", "unload_ipython_extension", "notebook_launcher"]
 
 # torch.cuda.is_available() asks NVML instead of initializing CUDA (which poisons every later fork).
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
@@ -35,9 +36,21 @@ def unload_ipython_extension(ipython: Any) -> None:
             manager.magics[kind].pop(name, None)
     if instance is not None and instance in ipython.configurables:
         ipython.configurables.remove(instance)
+    accelerator = sys.modules.get(f"{__name__}.accelerator")
+    if accelerator is not None:
+        accelerator.restore_accelerate_launcher()
     elastic = sys.modules.get(f"{__name__}.launch.elastic")
     if elastic is not None:
         elastic.shutdown_agent_thread()
     for key in list(_set_by_us):
         os.environ.pop(key, None)
         _set_by_us.discard(key)
+
+
+def __getattr__(name: str) -> Any:
+    """`from accel_magic import notebook_launcher` imports the launcher only when asked for."""
+    if name == "notebook_launcher":
+        from .launcher import notebook_launcher
+
+        return notebook_launcher
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,18 +7,33 @@ Private APIs of accelerate, used here only:
   fix the settings of every later one. Fallback: none; a test fails on every stack when they move.
 - `accelerate.utils.imports._torch_xla_available` (accelerate 0.2x and later): whether an already imported
   accelerate has chosen XLA. Fallback: read with getattr, so a missing name means "not chosen".
+
+Patched, not private: `accelerate.notebook_launcher` (and `accelerate.launchers.notebook_launcher`, the same
+function) is wrapped while the extension is loaded, so that later imports of it get a launcher the notebook's
+own Accelerator never blocks; `restore_accelerate_launcher` puts the original back.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 from .plan import Plan
 
-__all__ = ["SetupError", "LazyAccelerator", "build_accelerator", "prepare_environment", "reset_state"]
+__all__ = [
+    "SetupError",
+    "LazyAccelerator",
+    "build_accelerator",
+    "prepare_environment",
+    "reset_state",
+    "state_set_aside",
+    "guard_accelerate_launcher",
+    "restore_accelerate_launcher",
+]
 
 STALE_FLAGS = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")
 
@@ -63,13 +78,81 @@ def reset_state() -> bool:
     return had
 
 
+@contextlib.contextmanager
+def state_set_aside() -> Iterator[None]:
+    """accelerate's shared state emptied for the block and put back as it was after it: the notebook's
+    Accelerator works again afterwards, and nothing the block made of accelerate's state stays."""
+    if "accelerate" not in sys.modules:
+        yield
+        return
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    kept = [(cls, dict(cls._shared_state)) for cls in (PartialState, AcceleratorState, GradientState)]
+    reset_state()
+    try:
+        yield
+    finally:
+        reset_state()
+        for cls, state in kept:
+            cls._shared_state.update(state)
+
+
+_guard_plan: Plan | None = None  # the plan %accel_setup made last, which the wrapped launcher follows
+
+
+def guard_accelerate_launcher(plan: Plan) -> None:
+    """Wrap accelerate's notebook_launcher so that, while this extension is loaded, the notebook's Accelerator
+    never blocks it (accelerate refuses to fork when its shared state is populated: the state is set aside
+    for the call), and on a CPU plan the ranks it forks join one gloo group (accelerate 1.13 and later
+    otherwise lets each CPU rank train alone)."""
+    global _guard_plan
+    import accelerate
+    import accelerate.launchers as launchers
+
+    _guard_plan = plan
+    original = getattr(launchers.notebook_launcher, "__wrapped__", launchers.notebook_launcher)
+
+    @functools.wraps(original)
+    def notebook_launcher(*args: Any, **kwargs: Any) -> Any:
+        cpu = _guard_plan is not None and _guard_plan.cpu and "ACCELERATE_USE_CPU" not in os.environ
+        with state_set_aside(), _environment({"ACCELERATE_USE_CPU": "true"} if cpu else {}):
+            return original(*args, **kwargs)
+
+    launchers.notebook_launcher = accelerate.notebook_launcher = notebook_launcher
+
+
+def restore_accelerate_launcher() -> None:
+    """Put accelerate's own notebook_launcher back (on %unload_ext)."""
+    global _guard_plan
+    _guard_plan = None
+    launchers = sys.modules.get("accelerate.launchers")
+    original = getattr(getattr(launchers, "notebook_launcher", None), "__wrapped__", None)
+    if original is not None:
+        launchers.notebook_launcher = sys.modules["accelerate"].notebook_launcher = original
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
     return {"cpu": plan.cpu, "mixed_precision": plan.mixed_precision}
 
 
 class LazyAccelerator:
-    """The notebook's Accelerator on a multi-GPU runtime: built on first use, so the kernel stays CUDA-free
-    until then and %%accel_train can still fork GPU ranks."""
+    """The notebook's Accelerator on CPU and on a multi-GPU runtime: built on first use, so until then
+    accelerate's shared state stays empty (which accelerate's own notebook_launcher requires) and the kernel
+    stays CUDA-free (so %%accel_train can still fork GPU ranks)."""
 
     def __init__(self, plan: Plan):
         object.__setattr__(self, "_plan", plan)

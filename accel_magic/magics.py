@@ -190,7 +190,13 @@ class AccelMagics(Magics):
         return self.setup_name or self.name
 
     def _setup(self, request: Request, name: str, quiet: bool, runtime: Runtime | None = None) -> Plan:
-        from .accelerator import SetupError, build_accelerator, prepare_environment, reset_state
+        from .accelerator import (
+            SetupError,
+            build_accelerator,
+            guard_accelerate_launcher,
+            prepare_environment,
+            reset_state,
+        )
 
         runtime = runtime or probe(self.shell)
         try:
@@ -208,6 +214,7 @@ class AccelMagics(Magics):
         except Exception as err:  # accelerate's own refusals, in one line
             raise UsageError(f"accelerate could not build the Accelerator: {err}") from None
         self.shell.user_ns[name] = accelerator
+        guard_accelerate_launcher(plan)
         plan = replace(plan, notes=plan.notes + tuple(notes))
         self.plan = plan
         from .panel import mark_shown, show_plan
@@ -309,11 +316,12 @@ class AccelMagics(Magics):
         )
 
 
-def _returns(args: Any, bound: tuple[str, ...]) -> tuple[str, ...]:
+def _returns(args: Any, bound: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The names to bring back; None for --no-return (nothing at all comes back then)."""
     if args.no_return:
         if args.returns is not None:
             raise UsageError("--return and --no-return contradict each other: use one of them.")
-        return ()
+        return None
     if args.returns is None:
         return bound
     names = tuple(n for n in args.returns.replace(",", " ").split() if n)

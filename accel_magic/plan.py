@@ -259,13 +259,15 @@ def make_plan(runtime: Runtime, request: Request | None = None) -> Plan:
     else:
         threads = max(1, runtime.cpu_budget // n)
     launch = "kernel" if n == 1 else "fork"
-    accelerator = "lazy" if device == "cuda" and runtime.gpu_count > 1 else "eager"
+    # Built on first use on CPU too: an Accelerator the notebook never used then leaves accelerate's shared state
+    # empty, which accelerate's own notebook_launcher requires.
+    accelerator = "lazy" if device == "cpu" or (device == "cuda" and runtime.gpu_count > 1) else "eager"
     if device == "cuda" and accelerator == "eager":
         notes.add(
             "The notebook's accelerator uses the GPU in the kernel: launches of CPU ranks still work, "
             "but a forked GPU launch will then need a kernel restart."
         )
-    if accelerator == "lazy":
+    if accelerator == "lazy" and device == "cuda":
         notes.add(
             "The notebook's accelerator is built on first use, so the kernel stays CUDA-free and "
             "%%accel_train can fork GPU ranks."

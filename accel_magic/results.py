@@ -1,8 +1,9 @@
 """Rank 0's results: packed into files in the launch's folder (in the rank), read back and applied to the
 notebook all at once (in the kernel). The manifest that travels between the two is encoded and decoded here.
 
-Patched, not private: `accelerate.Accelerator.prepare` is wrapped in a rank (public API, accelerate 0.x and
-later) to remember what each call was given, so trained state goes back into the notebook's own objects.
+Patched, not private: `accelerate.Accelerator.prepare` and `Accelerator.register_for_checkpointing` are
+wrapped in a rank (public API, accelerate 0.x and later) to remember what each call was given, so trained
+state goes back into the notebook's own objects.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import pickle
 import time
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -24,15 +26,17 @@ __all__ = [
     "Received",
     "ResultsTooLarge",
     "pack_results",
+    "pack_payload",
     "receive_results",
+    "receive_payload",
     "unpack_results",
     "track_prepare",
 ]
 
 Action = Literal[
     "value",  # a value made in the rank, moved to the CPU
-    "load_state",  # a notebook model or optimizer: its state is loaded into the notebook's own object
-    "keep",  # the notebook's own dataloader or scheduler, which stays as it was
+    "load_state",  # a notebook model, optimizer, scheduler or registered object: state loaded into it
+    "keep",  # the notebook's own dataloader, which stays as it was
     "import",  # a module: imported again in the kernel
 ]
 
@@ -110,22 +114,50 @@ def pack_results(
     notebook: Mapping[int, tuple[str, Any]],
     folder: str,
     max_bytes: int = 2**62,
+    registered: Iterable[Any] = (),
 ) -> Packed:
     """Write rank 0's results into `folder`, one file per name (torch.save: tensors travel as plain bytes,
     never as file-descriptor-shared storage), and return the manifest.
 
-    ``prepared`` maps id(what accelerator.prepare returned) to what it was given; ``notebook`` maps
-    id(object) to (its name in the notebook before the launch, the object): fork keeps identities, and holding
-    the objects keeps their ids from being reused in the rank. Models and optimizers that came from the
-    notebook go back as state to load into the notebook's own objects; its dataloaders and schedulers stay as
-    they were; everything else is moved to the CPU. Raises ResultsTooLarge past `max_bytes`.
+    ``prepared`` maps id(what accelerator.prepare returned) to what it was given; ``registered`` holds what
+    the cell passed to accelerator.register_for_checkpointing; ``notebook`` maps id(object) to (its name in
+    the notebook before the launch, the object): fork keeps identities, and holding the objects keeps their ids
+    from being reused in the rank. Models, optimizers, LR schedulers and registered objects that came from the
+    notebook go back as state to load into the notebook's own objects, whether or not the cell binds a name to
+    them; its dataloaders stay as they were; everything else the names hold is moved to the CPU. Raises
+    ResultsTooLarge past `max_bytes`.
     """
 
     started = time.perf_counter()
     names = [n for n in names if n in ns]
+    registered_ids = {id(obj) for obj in registered}
     items: list[Item] = []
     sizes: list[tuple[str, int]] = []
     skipped: list[Skipped] = []
+
+    def home_of(original: Any) -> str | None:
+        name_and_object = notebook.get(id(original))
+        return name_and_object[0] if name_and_object is not None and name_and_object[1] is original else None
+
+    def stateful(original: Any) -> bool:
+        return isinstance(original, _stateful_types()) or id(original) in registered_ids
+
+    def write(name: str, value: Any, path: str, action: Action, home: str | None, left: int) -> None:
+        try:
+            _save(_to_cpu(value), path)
+        except MemoryError:
+            raise  # not a property of one value: the sending itself failed
+        except Exception as err:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            skipped.append(Skipped(name, _reason(err)))
+            return
+        items.append(Item(name, action, home, os.path.basename(path)))
+        sizes.append((name, os.path.getsize(path)))
+        if sum(size for _, size in sizes) > max_bytes:
+            raise _too_large(sizes, max_bytes, left)
+
+    handed = list({id(obj): obj for obj in [*prepared.values(), *registered]}.values())
     for index, name in enumerate(names):
         value = ns[name]
         if type(value).__name__ in ("Accelerator", "LazyAccelerator"):
@@ -134,28 +166,27 @@ def pack_results(
             items.append(Item(name, "import", value.__name__, ""))
             continue
         original = prepared.get(id(value), value)
-        name_and_object = notebook.get(id(original))
-        home = name_and_object[0] if name_and_object is not None and name_and_object[1] is original else None
-        if home is not None and original is not value and not isinstance(original, _stateful_types()):
-            items.append(Item(name, "keep", home, ""))  # the notebook's own dataloader or scheduler
-            continue
-        stateful = home is not None and isinstance(original, _stateful_types())
-        path = os.path.join(folder, f"item-{index}")
-        try:
-            _save(_to_cpu(original.state_dict() if stateful else original), path)
-        except MemoryError:
-            raise  # not a property of one value: the sending itself failed
-        except Exception as err:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-            skipped.append(Skipped(name, _reason(err)))
-            continue
-        action: Action = "load_state" if stateful else "value"
-        items.append(Item(name, action, home if stateful else None, os.path.basename(path)))
-        sizes.append((name, os.path.getsize(path)))
-        if sum(size for _, size in sizes) > max_bytes:
-            raise _too_large(sizes, max_bytes, len(names) - index - 1)
+        home = home_of(original)
+        left = len(names) - index - 1 + len(handed)
+        if home is not None and stateful(original):
+            write(name, original.state_dict(), os.path.join(folder, f"item-{index}"), "load_state", home, left)
+        elif home is not None and original is not value:
+            items.append(Item(name, "keep", home, ""))  # the notebook's own dataloader
+        else:
+            write(name, original, os.path.join(folder, f"item-{index}"), "value", None, left)
+    loaded = {item.home for item in items if item.action == "load_state"}
+    for index, original in enumerate(handed):  # what went through prepare or registration, bound or not
+        home = home_of(original)
+        if home is not None and home not in loaded and stateful(original):
+            loaded.add(home)
+            path = os.path.join(folder, f"state-{index}")
+            write(home, original.state_dict(), path, "load_state", home, len(handed) - index - 1)
     return Packed(tuple(items), tuple(sizes), tuple(skipped), time.perf_counter() - started)
+
+
+def pack_payload(*args: Any, **kwargs: Any) -> bytes:
+    """pack_results, with the manifest pickled: what rank 0's body returns to the launcher."""
+    return pickle.dumps(pack_results(*args, **kwargs), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _save(value: Any, path: str) -> None:
@@ -171,8 +202,10 @@ def _save(value: Any, path: str) -> None:
 
 def _stateful_types() -> tuple[type, ...]:
     import torch
+    from torch.optim import lr_scheduler
 
-    return (torch.nn.Module, torch.optim.Optimizer)
+    schedulers = (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau)  # the latter's base before torch 2.2
+    return (torch.nn.Module, torch.optim.Optimizer, *schedulers)
 
 
 @dataclass(frozen=True)
@@ -201,6 +234,11 @@ def receive_results(packed: Packed, folder: str) -> Received:
             continue
         items.append(Loaded(name, action, home, value))
     return Received(tuple(items), tuple(skipped), {"send": packed.seconds, "receive": time.perf_counter() - started})
+
+
+def receive_payload(payload: bytes, folder: str) -> Received:
+    """receive_results of the pickled manifest that pack_payload made."""
+    return receive_results(pickle.loads(payload), folder)
 
 
 def unpack_results(received: Received, ns: Mapping[str, Any]) -> tuple[Callable[[], None], list[Skipped]]:
@@ -256,13 +294,22 @@ class ResultsTooLarge(Exception):
     no_traceback = True
 
 
-def track_prepare(prepared: dict[int, Any]) -> None:
-    """Remember what each accelerator.prepare call was given, by the id of what it returned (rank only)."""
+def track_prepare(prepared: dict[int, Any], registered: list[Any]) -> None:
+    """Remember what each accelerator.prepare call was given, by the id of what it returned, and what
+    accelerator.register_for_checkpointing was given (rank only)."""
     from accelerate import Accelerator
 
     original = Accelerator.prepare
     if getattr(original, "_accel_magic", False):
         original = original.__wrapped__
+    original_register = Accelerator.register_for_checkpointing
+    if getattr(original_register, "_accel_magic", False):
+        original_register = original_register.__wrapped__
+
+    def register_for_checkpointing(self: Any, *objects: Any) -> Any:
+        result = original_register(self, *objects)
+        registered.extend(objects)
+        return result
 
     def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
@@ -273,9 +320,11 @@ def track_prepare(prepared: dict[int, Any]) -> None:
             _keep.append((given, returned))  # ids stay valid while the rank lives
         return result
 
-    prepare.__wrapped__ = original  # type: ignore[attr-defined]
-    prepare._accel_magic = True  # type: ignore[attr-defined]
+    for wrapper, wrapped in ((prepare, original), (register_for_checkpointing, original_register)):
+        wrapper.__wrapped__ = wrapped  # type: ignore[attr-defined]
+        wrapper._accel_magic = True  # type: ignore[attr-defined]
     Accelerator.prepare = prepare  # type: ignore[method-assign]
+    Accelerator.register_for_checkpointing = register_for_checkpointing  # type: ignore[method-assign]
 
 
 _keep: list[Any] = []

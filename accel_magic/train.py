@@ -3,20 +3,29 @@ are applied to the notebook afterwards."""
 
 from __future__ import annotations
 
-import pickle
 import time
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .cell import CellCode
 from .plan import Plan
 
-__all__ = ["TrainError", "CellBody", "run_in_kernel", "run_ranks"]
+if TYPE_CHECKING:
+    from .launch import LaunchOutcome, RankBody
+
+__all__ = ["OneSentence", "TrainError", "CellBody", "run_in_kernel", "launch_plan", "run_ranks"]
 
 
-class TrainError(RuntimeError):
-    """The launch cannot start here; the message is one sentence saying what to do."""
+class OneSentence(Exception):
+    """An error whose message is one sentence saying what to do; IPython shows that sentence alone."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+class TrainError(OneSentence, RuntimeError):
+    """The launch cannot start here."""
 
 
 class CellBody:
@@ -24,27 +33,29 @@ class CellBody:
     and on rank 0 the results written into the launch's private folder (results: the manifest)."""
 
     def __init__(self, cell: CellCode, ns: dict[str, Any], *, make_accelerator: Callable[[], Any], name: str,
-                 returns: tuple[str, ...], notebook: Mapping[int, tuple[str, Any]], max_bytes: int):  # fmt: skip
+                 returns: tuple[str, ...] | None, notebook: Mapping[int, tuple[str, Any]], max_bytes: int):  # fmt: skip
         self.cell, self.ns, self.make_accelerator, self.name = cell, ns, make_accelerator, name
         self.returns, self.notebook, self.max_bytes = returns, notebook, max_bytes
         self.prepared: dict[int, Any] = {}
+        self.registered: list[Any] = []
 
     def setup(self, rank: int) -> None:
         from .results import track_prepare
 
-        track_prepare(self.prepared)
+        track_prepare(self.prepared, self.registered)
         self.ns[self.name] = self.make_accelerator()
 
     def run(self) -> None:
         exec(self.cell.code, self.ns)
 
     def results(self, rank: int, folder: str) -> bytes | None:
-        from .results import pack_results
+        from .results import pack_payload
 
-        if rank != 0 or not self.returns:
+        if rank != 0 or self.returns is None:  # --no-return
             return None
-        packed = pack_results(self.ns, self.returns, self.prepared, self.notebook, folder, self.max_bytes)
-        return pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
+        return pack_payload(
+            self.ns, self.returns, self.prepared, self.notebook, folder, self.max_bytes, registered=self.registered
+        )
 
 
 def run_in_kernel(shell: Any, cell: str, result_name: str) -> None:
@@ -58,26 +69,59 @@ def run_in_kernel(shell: Any, cell: str, result_name: str) -> None:
         shell.user_ns[result_name] = outcome
 
 
-def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name: str, returns: tuple[str, ...],
-              port: int | None, max_bytes: int) -> None:  # fmt: skip
-    """Run the cell as the plan's ranks and apply rank 0's results to the notebook at once. Raises TrainError
-    before anything starts, LaunchError when the launch failed (the notebook unchanged), KeyboardInterrupt
-    when it was interrupted."""
-    from .accelerator import rank_accelerator, rank_environment
+def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | None, max_bytes: int,
+                receive: Callable[[bytes, str], Any] | None, monitor_interval: float = 0.05,
+                port_option: str = "--port") -> LaunchOutcome:  # fmt: skip
+    """Launch `body` as the plan's ranks, with the launch banner first. Raises TrainError before anything
+    starts, LaunchError when the launch failed, KeyboardInterrupt when it was interrupted."""
+    from .accelerator import rank_environment
     from .display import launch_banner, write_rank_text
     from .launch import LaunchError, launch, launch_error
     from .launch.guard import check_port, cuda_fork_blocker
     from .launch.relay import publish_kernel_message
-    from .results import receive_results, unpack_results
 
     if port is not None and not check_port(port):
-        raise TrainError(f"Port {port} is in use: choose another with --port, or leave --port out.")
+        raise TrainError(f"Port {port} is in use: choose another with {port_option}, or leave {port_option} out.")
     blocker = cuda_fork_blocker() if plan.device == "cuda" else None
     if blocker:
         raise TrainError(
             f"{blocker}, so GPU ranks cannot be forked: restart the kernel, run %accel_setup first and keep "
             "CUDA work inside %%accel_train cells."
         )
+    print(launch_banner(plan))
+    outcome = launch(
+        body,
+        plan.num_processes,
+        backend=plan.backend or "gloo",
+        threads=plan.threads_per_process,
+        timeout=plan.timeout,
+        env=rank_environment(plan),
+        cell_filename=cell_filename,
+        on_text=write_rank_text,
+        on_message=publish_kernel_message,
+        port=port,
+        receive=receive,
+        max_bytes=max_bytes,
+        monitor_interval=monitor_interval,
+    )
+    if outcome.interrupted:
+        raise KeyboardInterrupt
+    if not outcome.ok:
+        raise launch_error(outcome, plan.timeout)
+    if outcome.receive_error:
+        raise LaunchError(
+            f"rank 0's results could not be read back ({outcome.receive_error}); nothing in the notebook changed."
+        )
+    return outcome
+
+
+def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name: str, returns: tuple[str, ...] | None,
+              port: int | None, max_bytes: int) -> None:  # fmt: skip
+    """Run the cell as the plan's ranks and apply rank 0's results to the notebook at once (nothing changes
+    when the launch fails)."""
+    from .accelerator import rank_accelerator
+    from .results import receive_payload, unpack_results
+
     ns = shell.user_ns
     notebook = {id(v): (k, v) for k, v in ns.items() if not k.startswith("_")}
     body = CellBody(
@@ -89,30 +133,12 @@ def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name:
         notebook=notebook,
         max_bytes=max_bytes,
     )
-    print(launch_banner(plan))
-    outcome = launch(
-        body,
-        plan.num_processes,
-        backend=plan.backend or "gloo",
-        threads=plan.threads_per_process,
-        timeout=plan.timeout,
-        env=rank_environment(plan),
-        cell_filename=code.filename,
-        on_text=write_rank_text,
-        on_message=publish_kernel_message,
-        port=port,
-        receive=lambda payload, folder: receive_results(pickle.loads(payload), folder),
-        max_bytes=max_bytes,
-    )
-    del body, notebook
-    if outcome.interrupted:
-        raise KeyboardInterrupt
-    if not outcome.ok:
-        raise launch_error(outcome, plan.timeout)
-    if outcome.receive_error:
-        raise LaunchError(
-            f"rank 0's results could not be read back ({outcome.receive_error}); nothing in the notebook changed."
+    try:
+        outcome = launch_plan(
+            body, plan, cell_filename=code.filename, port=port, max_bytes=max_bytes, receive=receive_payload
         )
+    finally:
+        del body, notebook
     apply, skipped = unpack_results(outcome.received, ns) if outcome.received is not None else (None, [])
     outcome.skipped = tuple(skipped)
     if apply is not None:

@@ -32,10 +32,12 @@ def launch(
     port: int | None = None,
     receive: Callable[[bytes, str], Any] | None = None,
     max_bytes: int = 0,
+    monitor_interval: float = 0.05,
 ) -> LaunchOutcome:
     """Run `body` in `nprocs` forked ranks that form one process group. What rank 0's `body.results` returns
     (bytes) and the files it wrote in the folder it is given reach `receive(payload, folder)` in the kernel,
-    whose answer is `outcome.received`. The kernel is left as it was: no process, port, file or handler."""
+    whose answer is `outcome.received`. The agent checks on the ranks every `monitor_interval` seconds. The
+    kernel is left as it was: no process, port, file or handler."""
     outcome = LaunchOutcome(nprocs)
     started = time.perf_counter()
     known = {p.pid for p in guard.descendants(set())}
@@ -50,7 +52,7 @@ def launch(
     relay = Relay(pipes, on_text, on_message)
     try:
         with guard.kernel_state_kept():
-            config = elastic.launch_config(nprocs, port, os.path.join(workdir.path, "logs"), 0.05, fd)
+            config = elastic.launch_config(nprocs, port, os.path.join(workdir.path, "logs"), monitor_interval, fd)
 
             def accel_train() -> None:  # torch's agent names its entrypoint after the function
                 program()

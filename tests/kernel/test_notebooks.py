@@ -82,7 +82,17 @@ def test_03_fallbacks_prints_each_decision() -> None:
     assert find(texts, r"^refused: 2 processes need 2 GPUs but this runtime has 1 .* add --cpu")
 
 
-@pytest.mark.parametrize("name", ["01_quickstart.ipynb", "02_ddp_on_cpu.ipynb", "03_fallbacks.ipynb"])
+def test_04_runs_a_training_function_three_ways() -> None:
+    texts, _ = execute("04_from_notebook_launcher.ipynb")
+    launches = [t for t in texts if "2 processes, DistributedType.MULTI_CPU" in t]
+    assert len(launches) == 3, texts  # accelerate's launcher, the drop-in and the cell: one gloo group each
+    assert find(texts, r"^accelerate returned None$")
+    accuracy = float(find(texts, r"^the drop-in returned rank 0's accuracy: ([\d.]+)$").group(1))
+    assert accuracy > ACCURACY
+    assert float(find(texts, r"^test accuracy of the notebook's own model: ([\d.]+) \(Sequential\)$").group(1)) > ACCURACY
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))
 def test_notebook_is_saved_without_outputs(name: str) -> None:
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")

@@ -62,12 +62,16 @@ def test_setup_builds_cpu_accelerator_and_returns_plan(ip) -> None:
     ip.run_cell("plan = %accel_setup --quiet", store_history=False)
     plan, acc = ip.user_ns["plan"], ip.user_ns["accelerator"]
     assert (plan.device, plan.backend, plan.cpu) == ("cpu", "gloo", True)
-    assert acc.device.type == "cpu" and type(acc).__name__ == "Accelerator"
+    assert type(acc).__name__ == "LazyAccelerator" and not acc.built  # accelerate's state stays empty until used
+    assert acc.device.type == "cpu" and acc.built and acc.distributed_type == "NO"
     assert os.environ["USE_TORCH_XLA"] == "0"
 
 
 def test_setup_twice_with_other_options_resets_state_and_says_so(ip) -> None:
     ip.run_line_magic("accel_setup", "--quiet")
+    unused = ip.run_line_magic("accel_setup", "--quiet --mixed-precision fp8")
+    assert not any("state was reset" in n for n in unused.notes)  # an accelerator never used left no state
+    assert ip.user_ns["accelerator"].device.type == "cpu"
     plan = ip.run_line_magic("accel_setup", "--quiet --mixed-precision bf16")
     assert ip.user_ns["accelerator"].mixed_precision == "bf16"
     assert any("state was reset" in n for n in plan.notes)
@@ -112,7 +116,7 @@ def test_name_and_force(ip) -> None:
         ip.run_line_magic("accel_setup", "--quiet --name keep")
     assert ip.user_ns["keep"] == [1, 2]
     ip.run_line_magic("accel_setup", "--quiet --name keep --force")
-    assert type(ip.user_ns["keep"]).__name__ == "Accelerator"
+    assert type(ip.user_ns["keep"]).__name__ == "LazyAccelerator"
 
 
 def test_unload_removes_everything_and_reload_works(monkeypatch: pytest.MonkeyPatch) -> None:

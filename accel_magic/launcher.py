@@ -1,0 +1,160 @@
+"""`notebook_launcher`: accelerate's function, same signature and meaning, run by accel_magic's launcher
+(one real process group on CPU, threads by the CPU budget, per-rank output, one error naming the rank where a
+failure started, a fresh port) and returning rank 0's return value."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .train import OneSentence
+
+__all__ = ["notebook_launcher", "LauncherError"]
+
+
+class LauncherError(OneSentence, ValueError):
+    """An argument notebook_launcher cannot honour here (a ValueError, as accelerate raises for bad arguments)."""
+
+
+class _DefaultPort(str):
+    """accelerate's default port, told apart from the same port given explicitly."""
+
+
+DEFAULT_PORT = _DefaultPort("29500")
+# Multi-node options and their single-node defaults: anything else needs launches across machines.
+SINGLE_NODE = {
+    "master_addr": "127.0.0.1",
+    "node_rank": 0,
+    "num_nodes": 1,
+    "rdzv_backend": "static",
+    "rdzv_endpoint": "",
+    "rdzv_id": "none",
+}
+
+
+class FunctionBody:
+    """What each rank runs: the function with its arguments; rank 0 sends back its return value."""
+
+    def __init__(self, function: Callable[..., Any], args: tuple[Any, ...], max_bytes: int) -> None:
+        self.function, self.args, self.max_bytes = function, args, max_bytes
+        self.value: Any = None
+
+    def setup(self, rank: int) -> None:
+        pass  # the function builds its own Accelerator, as under accelerate's launcher
+
+    def run(self) -> None:
+        self.value = self.function(*self.args)
+
+    def results(self, rank: int, folder: str) -> bytes | None:
+        from .results import pack_payload
+
+        if rank != 0 or self.value is None:
+            return None
+        return pack_payload({"return": self.value}, ["return"], {}, {}, folder, self.max_bytes)
+
+
+def _check(options: dict[str, Any], max_restarts: int, rdzv_conf: dict[str, Any] | None,
+           log_line_prefix_template: str | None) -> None:  # fmt: skip
+    for name, default in SINGLE_NODE.items():
+        if options[name] != default:
+            raise LauncherError(
+                f"{name}={options[name]!r} asks for a launch across machines, which accel_magic does not run yet: "
+                f"leave {name} at {default!r} to train on this machine."
+            )
+    if rdzv_conf:
+        raise LauncherError(
+            "rdzv_conf configures a launch across machines, which accel_magic does not run yet: leave it out."
+        )
+    if max_restarts:
+        raise LauncherError(
+            f"max_restarts={max_restarts!r}: accel_magic does not restart failed ranks (it reports the rank where the "
+            "failure started); leave max_restarts at 0."
+        )
+    if log_line_prefix_template is not None:
+        raise LauncherError(
+            "log_line_prefix_template is not supported: accel_magic marks the lines of ranks other than 0 with "
+            "[rank N]; leave it at None."
+        )
+
+
+def _num_processes(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LauncherError(f"num_processes must be a whole number of at least 1, not {value!r}.")
+    return value
+
+
+def _port(value: Any) -> int | None:
+    if value is DEFAULT_PORT:
+        return None  # a fresh free port: a fixed one stays taken after a failed launch
+    text = str(value).strip()
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise LauncherError(f"use_port must be a port number from 1 to 65535, not {value!r}.")
+    return int(text)
+
+
+def notebook_launcher(
+    function: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    num_processes: int | None = None,
+    mixed_precision: str = "no",
+    use_port: str = DEFAULT_PORT,
+    master_addr: str = "127.0.0.1",
+    node_rank: int = 0,
+    num_nodes: int = 1,
+    rdzv_backend: str = "static",
+    rdzv_endpoint: str = "",
+    rdzv_conf: dict[str, Any] | None = None,
+    rdzv_id: str = "none",
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    log_line_prefix_template: str | None = None,
+) -> Any:
+    """Run `function(*args)` in `num_processes` processes, as accelerate's `notebook_launcher` does, and return
+    what rank 0's call returned (accelerate's returns None).
+
+    On a CPU runtime the processes form one gloo group, so a plain `Accelerator()` in the function trains with
+    all of them (MULTI_CPU), each with its share of the CPU budget as threads. `num_processes=None` means one
+    process on CPU and one per GPU; one process runs the function in the kernel itself. A port is chosen free
+    for each launch unless `use_port` is given. Options for launches across machines, restarts and log line
+    prefixes are refused with a sentence saying so.
+    """
+    from IPython import get_ipython
+
+    from .accelerator import state_set_aside
+    from .plan import PlanError, Request, make_plan
+    from .results import receive_payload
+    from .runtime import probe
+    from .train import launch_plan
+
+    options = dict(master_addr=master_addr, node_rank=node_rank, num_nodes=num_nodes, rdzv_backend=rdzv_backend,
+                   rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)  # fmt: skip
+    _check(options, max_restarts, rdzv_conf, log_line_prefix_template)
+    if not callable(function):
+        raise LauncherError(f"function must be callable, not a {type(function).__name__}.")
+    request = Request(num_processes=_num_processes(num_processes), mixed_precision=str(mixed_precision).lower())
+    port = _port(use_port)
+    try:
+        plan = make_plan(probe(get_ipython()), request)
+    except PlanError as err:
+        raise LauncherError(str(err)) from None
+    if plan.launch == "kernel":
+        with state_set_aside():  # the function's own Accelerator is not bound by the notebook's settings
+            return function(*args)
+    max_bytes = 1 << 30
+    outcome = launch_plan(
+        FunctionBody(function, tuple(args), max_bytes),
+        plan,
+        cell_filename=getattr(getattr(function, "__code__", None), "co_filename", ""),
+        port=port,
+        max_bytes=max_bytes,
+        receive=receive_payload,
+        monitor_interval=float(monitor_interval),
+        port_option="use_port",
+    )
+    if outcome.received is None:
+        return None
+    for skipped in outcome.received.skipped:
+        print(f"rank 0's return value could not come back to the notebook ({skipped.reason}); returning None.")
+    return next((item.value for item in outcome.received.items), None)

@@ -1,0 +1,200 @@
+"""notebook_launcher cells in a real kernel: accel_magic's drop-in, and accelerate's own after %accel_setup."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+
+SETUP = "%load_ext accel_magic"
+
+TRAINING_FUNCTION = """
+import os, torch
+from accelerate import Accelerator
+
+def training_function(scale):
+    accelerator = Accelerator()
+    state = accelerator.state
+    print(f"rank {accelerator.process_index}: {state.distributed_type} world={accelerator.num_processes} "
+          f"threads={torch.get_num_threads()}")
+    total = accelerator.reduce(torch.tensor([float(accelerator.process_index + 1)]), reduction="sum")
+    return {"total": total * scale, "rank": accelerator.process_index}
+"""
+
+CLEAN = """
+import psutil
+me = psutil.Process()
+print('children', me.children(recursive=True))
+"""
+
+
+def test_the_drop_in_has_accelerates_signature() -> None:
+    import accelerate
+
+    from accel_magic import notebook_launcher
+
+    ours, theirs = inspect.signature(notebook_launcher), inspect.signature(accelerate.notebook_launcher)
+    assert list(ours.parameters) == list(theirs.parameters)
+    assert [p.default for p in ours.parameters.values()] == [p.default for p in theirs.parameters.values()]
+
+
+def test_the_drop_in_forms_one_gloo_group_returns_rank_0s_value_and_leaves_the_kernel_clean(kernel_run) -> None:
+    cells = kernel_run(
+        TRAINING_FUNCTION,
+        "from accel_magic import notebook_launcher\n"
+        "result = notebook_launcher(training_function, args=(10,), num_processes=2)\n"
+        "print('returned', result)",
+        "second = notebook_launcher(training_function, (1,), 2)\nprint('again', second['total'].item())",
+        CLEAN,
+    )
+    out = cells.text(1)
+    assert "rank 0: DistributedType.MULTI_CPU world=2 threads=1" in out, out
+    assert "[rank 1] rank 1: DistributedType.MULTI_CPU world=2 threads=1" in out, out
+    assert "returned {'total': tensor([30.]), 'rank': 0}" in out
+    assert "again 3.0" in cells.text(2)  # a fresh port for every launch: the second one works too
+    assert cells.text(3).strip() == "children []"
+
+
+def test_the_drop_in_names_the_failing_rank_and_the_next_launch_works(kernel_run) -> None:
+    cells = kernel_run(
+        TRAINING_FUNCTION,
+        "from accel_magic import notebook_launcher\n"
+        "def fails():\n"
+        "    accelerator = Accelerator()\n"
+        "    if accelerator.process_index == 1:\n"
+        "        raise ValueError('bad batch')\n"
+        "    accelerator.wait_for_everyone()\n"
+        "notebook_launcher(fails, num_processes=2)",
+        "print(notebook_launcher(training_function, (1,), num_processes=2)['rank'])",
+        allow_errors=True,
+    )
+    (error,) = [o for o in cells.outputs(1) if o["output_type"] == "error"]
+    assert error["ename"] == "LaunchError"
+    assert error["evalue"] == "rank 1 raised ValueError: bad batch; the other ranks were stopped."
+    assert "raise ValueError('bad batch')" in "\n".join(error["traceback"])
+    assert cells.text(2).strip().endswith("0")
+
+
+@pytest.mark.parametrize(
+    ("call", "says"),
+    [
+        ("num_nodes=2", r"num_nodes=2 asks for a launch across machines, which accel_magic does not run yet"),
+        ("master_addr='10.0.0.2'", r"master_addr='10.0.0.2' asks for a launch across machines"),
+        ("rdzv_backend='c10d'", r"rdzv_backend='c10d' asks for a launch across machines"),
+        ("max_restarts=3", r"accel_magic does not restart failed ranks"),
+        ("log_line_prefix_template='${rank}: '", r"log_line_prefix_template is not supported"),
+        ("num_processes=0", r"num_processes must be a whole number of at least 1, not 0\."),
+        ("num_processes=2, mixed_precision='fp17'", r"mixed"),
+        ("num_processes=2, use_port='http'", r"use_port must be a port number from 1 to 65535, not 'http'\."),
+    ],
+)
+def test_what_the_drop_in_cannot_honour_is_one_sentence(kernel_run, call: str, says: str) -> None:
+    cells = kernel_run(
+        "from accel_magic import notebook_launcher\nkeep = 'mine'",
+        f"notebook_launcher(print, {call})",
+        "print(keep)",
+        allow_errors=True,
+    )
+    (error,) = [o for o in cells.outputs(1) if o["output_type"] == "error"]
+    assert error["ename"] == "LauncherError" and re.search(says, error["evalue"]), error
+    assert len(error["traceback"]) == 1  # one sentence, no traceback
+    assert cells.text(2).strip() == "mine"
+
+
+def test_the_drop_in_uses_the_port_it_is_given_and_refuses_one_in_use(kernel_run) -> None:
+    cells = kernel_run(
+        TRAINING_FUNCTION,
+        "import socket\nfrom accel_magic import notebook_launcher\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+        "print(notebook_launcher(training_function, (1,), 2, use_port=str(port))['rank'])",
+        "busy = socket.socket(); busy.bind(('127.0.0.1', 0)); busy.listen()\n"
+        "notebook_launcher(training_function, (1,), 2, use_port=str(busy.getsockname()[1]))",
+        allow_errors=True,
+    )
+    assert cells.text(1).strip().endswith("0")
+    assert re.search(
+        r"TrainError: Port \d+ is in use: choose another with use_port, or leave use_port out\.", cells.text(2)
+    )
+
+
+def test_accelerates_own_launcher_works_after_setup_even_when_the_notebooks_accelerator_was_used(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        "%accel_setup --quiet",
+        TRAINING_FUNCTION + "from accelerate import notebook_launcher\nprint(accelerator.device)",
+        "notebook_launcher(training_function, args=(1,), num_processes=2)",
+        "print(accelerator.device, accelerator.num_processes, type(notebook_launcher).__module__)",
+    )
+    out = cells.text(3)
+    assert "DistributedType.MULTI_CPU world=2" in out, out  # one gloo group, not two ranks training alone
+    assert cells.text(4).split()[:2] == ["cpu", "1"]  # the notebook's accelerator works as before
+
+
+def test_accelerates_launcher_imported_before_setup_still_works_after_it(kernel_run) -> None:
+    cells = kernel_run(
+        TRAINING_FUNCTION + "from accelerate import notebook_launcher",
+        SETUP,
+        "%accel_setup --quiet",
+        "notebook_launcher(training_function, args=(1,), num_processes=2)",
+    )
+    assert "To launch a multi-device training" not in cells.text(3)
+    assert re.search(r"rank 0: DistributedType\.\w+ world=\d", cells.text(3)), cells.text(3)
+
+
+def test_unload_gives_accelerate_its_own_launcher_back(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        "%accel_setup --quiet",
+        "import accelerate, accelerate.launchers\nwrapped = accelerate.notebook_launcher\n"
+        "print(hasattr(wrapped, '__wrapped__'))",
+        "%unload_ext accel_magic",
+        "print(accelerate.notebook_launcher is wrapped.__wrapped__ is accelerate.launchers.notebook_launcher)",
+    )
+    assert cells.text(2).strip() == "True"
+    assert cells.text(4).strip() == "True"
+
+
+SCHEDULED = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=1.0)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (step + 1))
+data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 2))
+dl = torch.utils.data.DataLoader(data, batch_size=4)
+class Counter:
+    def __init__(self): self.seen = 0
+    def state_dict(self): return {"seen": self.seen}
+    def load_state_dict(self, state): self.seen = state["seen"]
+counter = Counter()
+"""
+
+TRAIN_TWO_STEPS = """%%accel_train -n 2
+def train():
+    m, o, d, s = accelerator.prepare(model, opt, dl, sched)
+    accelerator.register_for_checkpointing(counter)
+    for step, (x, y) in enumerate(d):
+        if step == 2:
+            break
+        accelerator.backward(((m(x) - y) ** 2).mean())
+        o.step(); s.step(); o.zero_grad()
+        counter.seen += 1
+    return s.scheduler.last_epoch, o.param_groups[0]["lr"]
+rank_epoch, rank_lr = train()
+accelerator.print("ranks", rank_epoch, rank_lr)
+"""
+
+
+def test_schedulers_optimizers_models_and_registered_objects_come_back_and_go_on_in_the_next_cell(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        SCHEDULED + "w0 = model.weight.detach().clone()",
+        TRAIN_TWO_STEPS,
+        "print(sched.last_epoch == rank_epoch, opt.param_groups[0]['lr'] == rank_lr == sched.get_last_lr()[0],"
+        " counter.seen, not torch.equal(model.weight, w0))\nfirst = sched.last_epoch",
+        TRAIN_TWO_STEPS,
+        "print(sched.last_epoch == rank_epoch == 2 * first, opt.param_groups[0]['lr'] == rank_lr, counter.seen)",
+    )
+    assert cells.text(3).strip() == "True True 2 True", cells.text(2) + cells.text(3)
+    assert cells.text(5).strip() == "True True 4", cells.text(4) + cells.text(5)
