@@ -89,7 +89,9 @@ def test_04_runs_a_training_function_three_ways() -> None:
     assert find(texts, r"^accelerate returned None$")
     accuracy = float(find(texts, r"^the drop-in returned rank 0's accuracy: ([\d.]+)$").group(1))
     assert accuracy > ACCURACY
-    assert float(find(texts, r"^test accuracy of the notebook's own model: ([\d.]+) \(Sequential\)$").group(1)) > ACCURACY
+    assert (
+        float(find(texts, r"^test accuracy of the notebook's own model: ([\d.]+) \(Sequential\)$").group(1)) > ACCURACY
+    )
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))
