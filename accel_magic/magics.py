@@ -256,8 +256,9 @@ class AccelMagics(Magics):
     @cell_magic
     def accel_train(self, line: str, cell: str) -> None:
         """Run the cell as N ranks (forked processes forming one process group) and bring rank 0's results
-        back: the names the cell binds, and the trained weights of models it passed through
-        accelerator.prepare, loaded into the notebook's own objects.
+        back: the names the cell binds, and the trained state of the notebook's models, optimizers, LR schedulers
+        and objects registered for checkpointing that went through accelerator.prepare, loaded into the
+        notebook's own objects.
 
         `-n 1` on CPU or one GPU runs in the kernel like a normal cell. Names bound dynamically (exec,
         globals()[...]) are not seen by --return.
