@@ -16,6 +16,19 @@ __all__ = ["__version__", "load_ipython_extension", "unload_ipython_extension", 
 # torch.cuda.is_available() asks NVML instead of initializing CUDA (which poisons every later fork).
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 _set_by_us: set[str] = set()
+_hint_shown_by: Any = None  # the shell whose ValueErrors _show_with_hint displays
+
+
+def _show_with_hint(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> None:
+    """Show a ValueError as IPython would; accelerate's refusal to launch becomes one sentence saying what to
+    do."""
+    from .accelerator import launcher_refusal_hint
+
+    hint = launcher_refusal_hint(value)
+    if hint is not None:
+        value.args = (hint,)
+        value._render_traceback_ = lambda: [f"\x1b[0;31m{etype.__name__}\x1b[0m: {hint}"]  # type: ignore[attr-defined]
+    shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
 
 
 def load_ipython_extension(ipython: Any) -> None:
@@ -25,6 +38,10 @@ def load_ipython_extension(ipython: Any) -> None:
         os.environ[NVML_CHECK] = "1"
         _set_by_us.add(NVML_CHECK)
     ipython.register_magics(AccelMagics)
+    global _hint_shown_by
+    if not ipython.custom_exceptions:  # another extension's handler is left alone
+        ipython.set_custom_exc((ValueError,), _show_with_hint)
+        _hint_shown_by = ipython
 
 
 def unload_ipython_extension(ipython: Any) -> None:
@@ -36,6 +53,10 @@ def unload_ipython_extension(ipython: Any) -> None:
             manager.magics[kind].pop(name, None)
     if instance is not None and instance in ipython.configurables:
         ipython.configurables.remove(instance)
+    global _hint_shown_by
+    if _hint_shown_by is ipython and ipython.custom_exceptions == (ValueError,):
+        ipython.set_custom_exc((), None)  # IPython's default
+    _hint_shown_by = None
     accelerator = sys.modules.get(f"{__name__}.accelerator")
     if accelerator is not None:
         accelerator.restore_accelerate_launcher()

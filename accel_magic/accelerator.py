@@ -9,8 +9,8 @@ Private APIs of accelerate, used here only:
   accelerate has chosen XLA. Fallback: read with getattr, so a missing name means "not chosen".
 
 Patched, not private: `accelerate.notebook_launcher` (and `accelerate.launchers.notebook_launcher`, the same
-function) is wrapped while the extension is loaded, so that later imports of it get a launcher the notebook's
-own Accelerator never blocks; `restore_accelerate_launcher` puts the original back.
+function) is wrapped from the first %accel_setup until %unload_ext, so that imports of it in between get a
+launcher the notebook's own Accelerator never blocks; `restore_accelerate_launcher` puts the original back.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ __all__ = [
     "state_set_aside",
     "guard_accelerate_launcher",
     "restore_accelerate_launcher",
+    "launcher_refusal_hint",
 ]
 
 STALE_FLAGS = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")
@@ -82,8 +83,11 @@ def reset_state() -> bool:
 def state_set_aside() -> Iterator[None]:
     """accelerate's shared state emptied for the block and put back as it was after it: the notebook's
     Accelerator works again afterwards, and nothing the block made of accelerate's state stays."""
-    if "accelerate" not in sys.modules:
-        yield
+    if "accelerate" not in sys.modules:  # nothing to keep; what the block makes is cleared after it
+        try:
+            yield
+        finally:
+            reset_state()
         return
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
@@ -110,7 +114,9 @@ def guard_accelerate_launcher(plan: Plan) -> None:
     import accelerate.launchers as launchers
 
     _guard_plan = plan
-    original = getattr(launchers.notebook_launcher, "__wrapped__", launchers.notebook_launcher)
+    original = launchers.notebook_launcher
+    if getattr(original, "_accel_magic", False):
+        original = original.__wrapped__
 
     @functools.wraps(original)
     def notebook_launcher(*args: Any, **kwargs: Any) -> Any:
@@ -118,7 +124,24 @@ def guard_accelerate_launcher(plan: Plan) -> None:
         with state_set_aside(), _environment({"ACCELERATE_USE_CPU": "true"} if cpu else {}):
             return original(*args, **kwargs)
 
+    notebook_launcher._accel_magic = True  # type: ignore[attr-defined]
     launchers.notebook_launcher = accelerate.notebook_launcher = notebook_launcher
+
+
+# accelerate's refusal to fork while its shared state is populated (accelerate 0.x to 1.16).
+LAUNCHER_REFUSAL = "the `Accelerator` should only be initialized inside your training function"
+
+
+def launcher_refusal_hint(err: BaseException) -> str | None:
+    """One sentence for accelerate's refusal to launch that a function imported before %accel_setup can still
+    give (the wrapped launcher never does); None for any other error."""
+    if not isinstance(err, ValueError) or LAUNCHER_REFUSAL not in str(err):
+        return None
+    return (
+        "accelerate's notebook_launcher refuses to launch because an Accelerator was used in this kernel: "
+        "run `from accelerate import notebook_launcher` again after %accel_setup (that one sets the notebook's "
+        "Accelerator aside for the launch), or use `from accel_magic import notebook_launcher`."
+    )
 
 
 def restore_accelerate_launcher() -> None:
@@ -126,9 +149,9 @@ def restore_accelerate_launcher() -> None:
     global _guard_plan
     _guard_plan = None
     launchers = sys.modules.get("accelerate.launchers")
-    original = getattr(getattr(launchers, "notebook_launcher", None), "__wrapped__", None)
-    if original is not None:
-        launchers.notebook_launcher = sys.modules["accelerate"].notebook_launcher = original
+    wrapper = getattr(launchers, "notebook_launcher", None)
+    if getattr(wrapper, "_accel_magic", False):
+        launchers.notebook_launcher = sys.modules["accelerate"].notebook_launcher = wrapper.__wrapped__  # type: ignore[union-attr]
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ Action = Literal[
     "value",  # a value made in the rank, moved to the CPU
     "load_state",  # a notebook model, optimizer, scheduler or registered object: state loaded into it
     "keep",  # the notebook's own dataloader, which stays as it was
+    "state",  # state for a notebook object the cell handed to accelerate without binding it: loaded, no name set
     "import",  # a module: imported again in the kernel
 ]
 
@@ -142,9 +143,9 @@ def pack_results(
     def stateful(original: Any) -> bool:
         return isinstance(original, _stateful_types()) or id(original) in registered_ids
 
-    def write(name: str, value: Any, path: str, action: Action, home: str | None, left: int) -> None:
+    def write(name: str, value: Callable[[], Any], path: str, action: Action, home: str | None, left: int) -> None:
         try:
-            _save(_to_cpu(value), path)
+            _save(_to_cpu(value()), path)
         except MemoryError:
             raise  # not a property of one value: the sending itself failed
         except Exception as err:
@@ -169,18 +170,18 @@ def pack_results(
         home = home_of(original)
         left = len(names) - index - 1 + len(handed)
         if home is not None and stateful(original):
-            write(name, original.state_dict(), os.path.join(folder, f"item-{index}"), "load_state", home, left)
+            write(name, original.state_dict, os.path.join(folder, f"item-{index}"), "load_state", home, left)
         elif home is not None and original is not value:
             items.append(Item(name, "keep", home, ""))  # the notebook's own dataloader
         else:
-            write(name, original, os.path.join(folder, f"item-{index}"), "value", None, left)
-    loaded = {item.home for item in items if item.action == "load_state"}
+            write(name, lambda v=original: v, os.path.join(folder, f"item-{index}"), "value", None, left)
+    loaded = {item.home for item in items if item.action == "load_state"} | {s.name for s in skipped}
     for index, original in enumerate(handed):  # what went through prepare or registration, bound or not
         home = home_of(original)
         if home is not None and home not in loaded and stateful(original):
             loaded.add(home)
             path = os.path.join(folder, f"state-{index}")
-            write(home, original.state_dict(), path, "load_state", home, len(handed) - index - 1)
+            write(home, original.state_dict, path, "state", home, len(handed) - index - 1)
     return Packed(tuple(items), tuple(sizes), tuple(skipped), time.perf_counter() - started)
 
 
@@ -253,11 +254,12 @@ def unpack_results(received: Received, ns: Mapping[str, Any]) -> tuple[Callable[
                 updates[name] = ns[home]
             elif action == "import":
                 updates[name] = importlib.import_module(home)
-            elif action == "load_state":
+            elif action in ("load_state", "state"):
                 target = ns[home]
                 _check_state(target, value)
                 loads.append((target, value))
-                updates[name] = target
+                if action == "load_state":
+                    updates[name] = target
             else:
                 updates[name] = value
         except Exception as err:
@@ -284,7 +286,8 @@ def _check_state(target: Any, state: Mapping[str, Any]) -> None:
             if getattr(mine[key], "shape", None) != getattr(tensor, "shape", None):
                 raise ValueError(f"{key} changed shape in the cell")
     elif isinstance(target, torch.optim.Optimizer):
-        if len(target.param_groups) != len(state.get("param_groups", ())):
+        groups = state.get("param_groups", ())
+        if [len(g["params"]) for g in target.param_groups] != [len(g.get("params", ())) for g in groups]:
             raise ValueError("the optimizer's parameter groups changed in the cell")
 
 

@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GPU", "Runtime", "probe", "cpu_budget", "ram_bytes"]
+__all__ = ["GPU", "Runtime", "probe", "cpu_budget", "ram_bytes", "versions"]
 
 VERSIONED = ("torch", "accelerate", "ipython", "ipykernel", "ipywidgets")
 

@@ -41,16 +41,20 @@ def launch(
     outcome = LaunchOutcome(nprocs)
     started = time.perf_counter()
     known = {p.pid for p in guard.descendants(set())}
-    workdir = Workdir(max_bytes)
-    pipes = Pipes.open(nprocs)
-    sock = guard.listener(port)
-    port = sock.getsockname()[1]
-    fd = sock.detach() if elastic.loopback_rendezvous() else None
-    if fd is None:
-        sock.close()  # an older torch: its static store binds the port itself
-    program = RankProgram(body, pipes, workdir, env, threads, backend, timeout, cell_filename, port)
-    relay = Relay(pipes, on_text, on_message)
+    workdir: Workdir | None = None
+    pipes: Pipes | None = None
+    relay: Relay | None = None
+    fd: int | None = None
     try:
+        workdir = Workdir(max_bytes)
+        pipes = Pipes.open(nprocs)
+        sock = guard.listener(port)
+        port = sock.getsockname()[1]
+        fd = sock.detach() if elastic.loopback_rendezvous() else None
+        if fd is None:
+            sock.close()  # an older torch: its static store binds the port itself
+        program = RankProgram(body, pipes, workdir, env, threads, backend, timeout, cell_filename, port)
+        relay = Relay(pipes, on_text, on_message)
         with guard.kernel_state_kept():
             config = elastic.launch_config(nprocs, port, os.path.join(workdir.path, "logs"), monitor_interval, fd)
 
@@ -70,16 +74,22 @@ def launch(
             outcome.ended = relay.ended
     finally:
         cleanup_started = time.perf_counter()
-        pipes.close()
+        if relay is not None:
+            relay.close()
+        if pipes is not None:
+            pipes.close()
         if fd is not None:
             elastic.release_socket(fd)
         leftovers = guard.descendants(known)
         if leftovers:
             guard.stop(leftovers)
-        collect(outcome, {r: workdir.records(r) for r in range(nprocs)})
-        if outcome.ok and receive is not None:
-            _receive(outcome, workdir, receive)
-        workdir.remove()
+        if workdir is not None:
+            try:
+                collect(outcome, {r: workdir.records(r) for r in range(nprocs)})
+                if outcome.ok and receive is not None:
+                    _receive(outcome, workdir, receive)
+            finally:
+                workdir.remove()
         outcome.cleanup_time = time.perf_counter() - cleanup_started
         outcome.wall_time = time.perf_counter() - started
     return outcome

@@ -129,13 +129,12 @@ class RankProgram:
                 self.workdir.write_bytes("results", rank, payload)
             self.workdir.write("status", rank, {"duration": time.time() - start})
             exit_code = 0
-        except SystemExit as exc:  # only the cell raises it: its own exit, as the user asked
-            exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            if exit_code == 0:
-                self._record("status", rank, {"duration": time.time() - start})
+        except SystemExit as exc:
+            if phase != "cell":  # not the cell's own exit: this machinery's failure
+                self._record("error", rank, self._failure(rank, exc, phase))
+                exit_code = INTERNAL_EXIT
             else:
-                summary = f"called sys.exit({exc.code!r})"
-                self._record("error", rank, RankFailure(rank, exit_code, "exit", summary, "", time.time()))
+                exit_code = self._cell_exit(rank, exc, start)
         except BaseException as err:  # the rank must never unwind into the kernel's code
             self._record("error", rank, self._failure(rank, err, phase))
             exit_code = 1 if phase == "cell" else INTERNAL_EXIT
@@ -144,6 +143,16 @@ class RankProgram:
             sys.stderr.flush()
         if exit_code:
             REAL_EXIT(exit_code)
+
+    def _cell_exit(self, rank: int, exc: SystemExit, start: float) -> int:
+        """The cell called sys.exit: code 0 ends the rank well (nothing comes back), others are its failure."""
+        exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exit_code == 0:
+            self._record("status", rank, {"duration": time.time() - start})
+        else:
+            summary = f"called sys.exit({exc.code!r})"
+            self._record("error", rank, RankFailure(rank, exit_code, "exit", summary, "", time.time()))
+        return exit_code
 
     def _redirect(self, rank: int) -> None:
         os.dup2(self.pipes.out[rank][1], 1)

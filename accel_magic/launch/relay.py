@@ -132,6 +132,7 @@ class Relay:
                 self.sel.register(r, selectors.EVENT_READ, (rank, stream))
         self.frames: dict[int, Frames] = {}
         self.ended: dict[int, tuple[int, float]] = {}  # rank -> (exit code or -signal, when it ended)
+        self.closed = False
 
     def watch(self, rank: int, pid: int) -> bool:
         """Wake when the rank's process ends, to read how and when before anyone reaps it."""
@@ -195,7 +196,14 @@ class Relay:
             self.poll(0)
         for rank, stream, text in self.lines.flush():
             self.on_text(rank, stream, text)
-        self.sel.close()
+        self.close()
+
+    def close(self) -> None:
+        """Release the pidfds and the selector (once; after drain, or on any way out of a launch)."""
+        if not self.closed:
+            self.closed = True
+            self.close_watches()
+            self.sel.close()
 
 
 def _kernel() -> Any:

@@ -142,6 +142,24 @@ def test_accelerates_launcher_imported_before_setup_still_works_after_it(kernel_
     assert re.search(r"rank 0: DistributedType\.\w+ world=\d", cells.text(3)), cells.text(3)
 
 
+def test_a_launcher_imported_before_setup_that_refuses_says_in_one_sentence_what_to_do(kernel_run) -> None:
+    cells = kernel_run(
+        TRAINING_FUNCTION + "from accelerate import notebook_launcher",
+        SETUP,
+        "%accel_setup --quiet\nprint(accelerator.device)",
+        "notebook_launcher(training_function, args=(1,), num_processes=2)",
+        "from accelerate import notebook_launcher\nnotebook_launcher(training_function, args=(1,), num_processes=2)",
+        "int('not a number')",
+        allow_errors=True,
+    )
+    (error,) = [o for o in cells.outputs(3) if o["output_type"] == "error"]
+    assert error["ename"] == "ValueError" and len(error["traceback"]) == 1, error
+    assert "run `from accelerate import notebook_launcher` again after %accel_setup" in error["traceback"][0]
+    assert "DistributedType.MULTI_CPU world=2" in cells.text(4)  # imported again: the launch works
+    (plain,) = [o for o in cells.outputs(5) if o["output_type"] == "error"]
+    assert len(plain["traceback"]) > 1 and "invalid literal" in plain["evalue"]  # other ValueErrors as always
+
+
 def test_unload_gives_accelerate_its_own_launcher_back(kernel_run) -> None:
     cells = kernel_run(
         SETUP,

@@ -78,3 +78,37 @@ def test_results_past_the_limit_stop_with_the_biggest_named(tmp_path) -> None:
         ResultsTooLarge, match=r"over the 1 MB limit \(biggest: big 3.8 MB, small 0.0 MB, and 1 more not measured\)"
     ):
         pack_results(ns, ["small", "big", "later"], {}, {}, str(tmp_path), max_bytes=2**20)
+
+
+def test_state_handed_to_accelerate_comes_back_without_rebinding_what_the_cell_bound(tmp_path) -> None:
+    model = torch.nn.Linear(2, 2)
+    sched_opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(sched_opt, lambda step: 1 / (step + 1))
+    notebook = {"model": model, "sched": sched, "sched_opt": sched_opt}
+    ids = {id(v): (k, v) for k, v in notebook.items()}
+    trained = torch.nn.Linear(2, 2)
+    sched_opt.step()
+    sched.step()  # the rank's copy of the scheduler went on (fork keeps the id; here the same object)
+    # The cell prepared model and scheduler without binding them, and bound `model` to something of its own.
+    rank_ns = {"model": "replaced by the cell"}
+    prepared = {id(object()): trained, 1: sched}
+    received = roundtrip(rank_ns, ["model"], prepared, {**ids, id(trained): ("model", trained)}, tmp_path)
+    sched_state = sched.state_dict()
+    sched.load_state_dict({**sched_state, "last_epoch": 0})
+    apply, skipped = unpack_results(received, notebook)
+    apply()
+    assert skipped == []
+    assert notebook["model"] == "replaced by the cell"  # the cell's own binding stands
+    assert sched.last_epoch == 1 and notebook["sched"] is sched  # the scheduler's state came back in place
+    assert torch.equal(model.weight, trained.weight)  # and the unbound model's weights
+
+
+def test_a_state_dict_that_raises_is_listed_not_fatal(tmp_path) -> None:
+    class Broken(torch.nn.Module):
+        def state_dict(self, *args, **kwargs):
+            raise RuntimeError("hooks went wrong")
+
+    broken = Broken()
+    packed = pack_results({"net": broken, "ok": 1}, ["net", "ok"], {}, {id(broken): ("net", broken)}, str(tmp_path))
+    assert [item.name for item in packed.items] == ["ok"]
+    assert packed.skipped[0].name == "net" and "hooks went wrong" in packed.skipped[0].reason
