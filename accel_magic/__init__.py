@@ -23,11 +23,12 @@ def _show_with_hint(shell: Any, etype: type, value: BaseException, tb: Any, tb_o
     """Show a ValueError as IPython would; accelerate's refusal to launch becomes one sentence saying what to
     do."""
     from .accelerator import launcher_refusal_hint
+    from .launch.outcome import error_line
 
     hint = launcher_refusal_hint(value)
     if hint is not None:
         value.args = (hint,)
-        value._render_traceback_ = lambda: [f"\x1b[0;31m{etype.__name__}\x1b[0m: {hint}"]  # type: ignore[attr-defined]
+        value._render_traceback_ = lambda: [error_line(etype.__name__, hint)]  # type: ignore[attr-defined]
     shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
 
 

@@ -21,7 +21,9 @@ class OneSentence(Exception):
     """An error whose message is one sentence saying what to do; IPython shows that sentence alone."""
 
     def _render_traceback_(self) -> list[str]:
-        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+        from .launch.outcome import error_line
+
+        return [error_line(type(self).__name__, str(self))]
 
 
 class TrainError(OneSentence, RuntimeError):

@@ -9,7 +9,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-__all__ = ["FailureKind", "RankFailure", "RankRecords", "LaunchOutcome", "LaunchError", "collect", "launch_error"]
+__all__ = [
+    "FailureKind",
+    "RankFailure",
+    "RankRecords",
+    "LaunchOutcome",
+    "LaunchError",
+    "collect",
+    "launch_error",
+    "error_line",
+]
 
 ISSUES_URL = "https://github.com/accel-magic/accel_magic/issues"
 
@@ -86,6 +95,11 @@ class LaunchOutcome:
         return min(self.failures, key=key)
 
 
+def error_line(kind: str, message: str) -> str:
+    """The first line of an error as IPython shows it: the exception's name in red, then the message."""
+    return f"\x1b[0;31m{kind}\x1b[0m: {message}"
+
+
 class LaunchError(Exception):
     """A launch that failed; shows one short traceback naming the rank where it started."""
 
@@ -96,7 +110,7 @@ class LaunchError(Exception):
         self.outcome = outcome
 
     def _render_traceback_(self) -> list[str]:
-        lines = [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self.headline}"]
+        lines = [error_line(type(self).__name__, self.headline)]
         if self.details:
             lines += self.details.rstrip("\n").split("\n")
         return lines

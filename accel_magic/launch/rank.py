@@ -103,6 +103,13 @@ def listening_fds(port: int) -> list[int]:
     return found
 
 
+def _flush() -> None:
+    """Flush what the rank printed before it ends (os._exit would drop it)."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
 class RankProgram:
     """Everything a rank needs, inherited through fork; calling it runs the rank whose RANK the agent set."""
 
@@ -138,9 +145,7 @@ class RankProgram:
         except BaseException as err:  # the rank must never unwind into the kernel's code
             self._record("error", rank, self._failure(rank, err, phase))
             exit_code = 1 if phase == "cell" else INTERNAL_EXIT
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
+        _flush()
         if exit_code:
             REAL_EXIT(exit_code)
 
@@ -185,9 +190,8 @@ class RankProgram:
         """Run the cell; a call to os._exit in it leaves no exception, so it is recorded, then done as asked."""
 
         def recorded_exit(code: int) -> None:
+            _flush()
             with contextlib.suppress(Exception):
-                sys.stdout.flush()
-                sys.stderr.flush()
                 if code:
                     failure = RankFailure(rank, code, "exit", f"called os._exit({code})", "", time.time())
                     self.workdir.write("error", rank, failure)
