@@ -216,3 +216,21 @@ def test_schedulers_optimizers_models_and_registered_objects_come_back_and_go_on
     )
     assert cells.text(3).strip() == "True True 2 True", cells.text(2) + cells.text(3)
     assert cells.text(5).strip() == "True True 4", cells.text(4) + cells.text(5)
+
+
+def test_interrupting_the_drop_in_stops_every_rank_within_seconds(live_kernel) -> None:
+    import time
+
+    live_kernel.execute("import psutil\nfrom accel_magic import notebook_launcher")
+    live_kernel.execute(
+        "def forever():\n    import time\n    from accelerate import Accelerator\n    Accelerator()\n"
+        "    while True:\n        time.sleep(0.1)"
+    )
+    msg_id = live_kernel.kc.execute("notebook_launcher(forever, num_processes=2)")
+    time.sleep(4)
+    start = time.monotonic()
+    live_kernel.km.interrupt_kernel()
+    reply, _ = live_kernel.collect(msg_id, timeout=30)
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
+    assert time.monotonic() - start < 5
+    assert live_kernel.text("print(psutil.Process().children(recursive=True))").strip() == "[]"
