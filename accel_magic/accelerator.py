@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ipaddress
 import os
 import sys
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
-from .plan import Plan
+from .plan import Plan, parse_endpoint
 
 __all__ = [
     "SetupError",
@@ -216,14 +217,23 @@ def build_accelerator(plan: Plan) -> Any:
     return Accelerator(**accelerator_kwargs(plan))
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def rank_environment(plan: Plan) -> dict[str, str]:
     """What a rank sets before anything reads it: CPU mode (accelerate 1.13+ otherwise lets every CPU rank
-    train alone), precision, threads (so ranks do not oversubscribe the cores), gloo on loopback."""
+    train alone), precision, threads (so ranks do not oversubscribe the cores), gloo on loopback when every rank
+    is on this machine (across machines gloo takes the interface of the host name, or GLOO_SOCKET_IFNAME)."""
     env = {
         "ACCELERATE_MIXED_PRECISION": plan.mixed_precision,
         "FORK_LAUNCHED": "1",
-        "GLOO_SOCKET_IFNAME": "lo",
     }
+    if plan.num_nodes == 1 or _loopback(parse_endpoint(plan.rdzv_endpoint)[0]):
+        env["GLOO_SOCKET_IFNAME"] = "lo"
     if plan.cpu:
         env["ACCELERATE_USE_CPU"] = "true"
     if plan.device != "xla":

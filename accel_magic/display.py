@@ -17,9 +17,16 @@ def launch_banner(plan: Plan) -> str:
     where = f"{plan.device} ({plan.backend})" if plan.backend else plan.device
     threads = f", {plan.threads_per_process} thread{'s' if plan.threads_per_process != 1 else ''} each"
     mp = f", mixed_precision {plan.mixed_precision}" if plan.mixed_precision != "no" else ""
-    lines = [
-        f"accel_train: {plan.num_processes} processes on {where}{threads}{mp}; collective timeout {plan.timeout:g} s"
-    ]
+    nodes = ""
+    if plan.num_nodes > 1:
+        first, last = plan.node_rank * plan.num_processes, (plan.node_rank + 1) * plan.num_processes - 1
+        ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+        nodes = (
+            f"node {plan.node_rank} of {plan.num_nodes} ({ranks} of {plan.num_nodes * plan.num_processes}, "
+            f"rendezvous at {plan.rdzv_endpoint}): "
+        )
+    processes = f"{plan.num_processes} process{'es' if plan.num_processes != 1 else ''}"
+    lines = [f"accel_train: {nodes}{processes} on {where}{threads}{mp}; collective timeout {plan.timeout:g} s"]
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
 

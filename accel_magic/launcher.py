@@ -21,15 +21,7 @@ class _DefaultPort(str):
 
 
 DEFAULT_PORT = _DefaultPort("29500")
-# Multi-node options and their single-node defaults: anything else needs launches across machines.
-SINGLE_NODE = {
-    "master_addr": "127.0.0.1",
-    "node_rank": 0,
-    "num_nodes": 1,
-    "rdzv_backend": "static",
-    "rdzv_endpoint": "",
-    "rdzv_id": "none",
-}
+RDZV_BACKENDS = ("static", "c10d")  # either way node 0 hosts the rendezvous and ranks follow node_rank
 
 
 class FunctionBody:
@@ -53,18 +45,7 @@ class FunctionBody:
         return pack_payload({"return": self.value}, ["return"], {}, {}, folder, self.max_bytes)
 
 
-def _check(options: dict[str, Any], max_restarts: int, rdzv_conf: dict[str, Any] | None,
-           log_line_prefix_template: str | None) -> None:  # fmt: skip
-    for name, default in SINGLE_NODE.items():
-        if options[name] != default:
-            raise LauncherError(
-                f"{name}={options[name]!r} asks for a launch across machines, which accel_magic does not run yet: "
-                f"leave {name} at {default!r} to train on this machine."
-            )
-    if rdzv_conf:
-        raise LauncherError(
-            "rdzv_conf configures a launch across machines, which accel_magic does not run yet: leave it out."
-        )
+def _check(max_restarts: int, log_line_prefix_template: str | None) -> None:
     if max_restarts:
         raise LauncherError(
             f"max_restarts={max_restarts!r}: accel_magic does not restart failed ranks (it reports the rank where the "
@@ -75,6 +56,34 @@ def _check(options: dict[str, Any], max_restarts: int, rdzv_conf: dict[str, Any]
             "log_line_prefix_template is not supported: accel_magic marks the lines of ranks other than 0 with "
             "[rank N]; leave it at None."
         )
+
+
+def _nodes(num_nodes: Any, node_rank: Any, master_addr: str, use_port: str, rdzv_backend: str, rdzv_endpoint: str,
+           rdzv_conf: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    """The multi-node options as the request's fields, as accelerate reads them: the rendezvous at
+    `rdzv_endpoint`, else at `master_addr:use_port`."""
+    if rdzv_backend not in RDZV_BACKENDS:
+        raise LauncherError(
+            f"rdzv_backend must be 'static' or 'c10d', not {rdzv_backend!r}: either way node 0 hosts the rendezvous "
+            "and the ranks are numbered by node_rank."
+        )
+    unknown = sorted(set(rdzv_conf or {}) - {"timeout", "rank"})
+    if unknown:
+        raise LauncherError(
+            f"rdzv_conf takes only 'timeout' (seconds the nodes wait for each other) here, not {', '.join(unknown)}: "
+            "leave the others out."
+        )
+    if num_nodes == 1:
+        for name, value, default in (("node_rank", node_rank, 0), ("master_addr", master_addr, "127.0.0.1"),
+                                     ("rdzv_endpoint", rdzv_endpoint, "")):  # fmt: skip
+            if value != default:
+                raise LauncherError(
+                    f"{name}={value!r} is for a launch across machines: add num_nodes=M (the number of machines), or "
+                    f"leave {name} at {default!r} to train on this machine."
+                )
+        return {}
+    endpoint = rdzv_endpoint or f"{master_addr}:{use_port}"
+    return {"num_nodes": num_nodes, "node_rank": node_rank, "rdzv_endpoint": endpoint}
 
 
 def _num_processes(value: Any) -> int | None:
@@ -117,8 +126,10 @@ def notebook_launcher(
     On a CPU runtime the processes form one gloo group, so a plain `Accelerator()` in the function trains with
     all of them (MULTI_CPU), each with its share of the CPU budget as threads. `num_processes=None` means one
     process on CPU and one per GPU; one process runs the function in the kernel itself. A port is chosen free
-    for each launch unless `use_port` is given. Options for launches across machines, restarts and log line
-    prefixes are refused with a sentence saying so.
+    for each launch unless `use_port` is given. Across machines (`num_nodes` > 1) every node calls it with its
+    own `node_rank`; node 0 hosts the rendezvous at `rdzv_endpoint`, else at `master_addr:use_port`, and each
+    node gets its first rank's return value. Restarts and log line prefixes are refused with a sentence saying
+    so.
     """
     from IPython import get_ipython
 
@@ -126,15 +137,16 @@ def notebook_launcher(
     from .plan import PlanError, Request, make_plan
     from .results import receive_payload
     from .runtime import probe
-    from .train import launch_plan
+    from .train import launch_plan, plan_nodes
 
-    options = dict(master_addr=master_addr, node_rank=node_rank, num_nodes=num_nodes, rdzv_backend=rdzv_backend,
-                   rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)  # fmt: skip
-    _check(options, max_restarts, rdzv_conf, log_line_prefix_template)
+    _check(max_restarts, log_line_prefix_template)
     if not callable(function):
         raise LauncherError(f"function must be callable, not a {type(function).__name__}.")
-    request = Request(num_processes=_num_processes(num_processes), mixed_precision=str(mixed_precision).lower())
     port = _port(use_port)
+    nodes = _nodes(num_nodes, node_rank, master_addr, str(use_port), rdzv_backend, rdzv_endpoint, rdzv_conf)
+    request = Request(
+        num_processes=_num_processes(num_processes), mixed_precision=str(mixed_precision).lower(), **nodes
+    )
     try:
         plan = make_plan(probe(get_ipython()), request)
     except PlanError as err:
@@ -152,6 +164,8 @@ def notebook_launcher(
         receive=receive_payload,
         monitor_interval=float(monitor_interval),
         port_option="use_port",
+        endpoint_option="master_addr and use_port (or rdzv_endpoint)",
+        nodes=plan_nodes(plan, "" if rdzv_id == "none" else str(rdzv_id), (rdzv_conf or {}).get("timeout")),
     )
     if outcome.received is None:
         return None

@@ -253,6 +253,9 @@ class AccelMagics(Magics):
     @argument("--return", dest="returns", metavar="NAMES", help="bring back only these names (comma-separated)")
     @argument("--max-return-mb", metavar="MB", help="limit on what comes back (default 1024)")
     @argument("--result", metavar="NAME", help="variable for how the launch ended (default: accel_result)")
+    @argument("--nodes", metavar="M", help="machines whose kernels train as one group (each runs -n ranks)")
+    @argument("--node-rank", metavar="R", help="this machine's place, 0 to M-1; node 0 hosts the rendezvous")
+    @argument("--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address and port, the same on every node")
     @cell_magic
     def accel_train(self, line: str, cell: str) -> None:
         """Run the cell as N ranks (forked processes forming one process group) and bring rank 0's results
@@ -262,6 +265,10 @@ class AccelMagics(Magics):
 
         `-n 1` on CPU or one GPU runs in the kernel like a normal cell. Names bound dynamically (exec,
         globals()[...]) are not seen by --return.
+
+        Several machines: run the same cell in a kernel on each, with `--nodes M --node-rank R --rdzv-endpoint
+        HOST:PORT` (node 0's address); their M x N ranks form one group, numbered by node rank, and each kernel
+        shows its own ranks' output and gets its first rank's results back.
         """
         from .cell import CellError, compile_cell
         from .train import TrainError, run_in_kernel, run_ranks
@@ -314,7 +321,29 @@ class AccelMagics(Magics):
             cpu=args.cpu or base.cpu or self.cpu,
             mixed_precision=mp or base.mixed_precision or self.mixed_precision,
             timeout=_positive_float(args.timeout, "--timeout") or base.timeout or self.timeout,
+            **_nodes(args),
         )
+
+
+def _nodes(args: Any) -> dict[str, Any]:
+    """--nodes, --node-rank and --rdzv-endpoint as the request's fields: all three, or none."""
+    nodes = _positive_int(args.nodes, "--nodes") or 1
+    given = args.node_rank is not None or args.rdzv_endpoint is not None
+    if nodes == 1 and not given:
+        return {}
+    if nodes == 1:
+        raise UsageError("--node-rank and --rdzv-endpoint train across machines: add --nodes M, the number of them.")
+    if args.port is not None:
+        raise UsageError("--port is for one machine: across machines, node 0's port goes in --rdzv-endpoint.")
+    if args.node_rank is None or args.rdzv_endpoint is None:
+        raise UsageError(
+            f"--nodes {nodes} needs --node-rank (this machine's, 0 to {nodes - 1}) and --rdzv-endpoint HOST:PORT "
+            "(node 0's address, the same on every node)."
+        )
+    rank = args.node_rank.strip()
+    if not rank.isdigit():
+        raise UsageError(f"--node-rank must be a whole number from 0 to {nodes - 1}, not {args.node_rank!r}.")
+    return {"num_nodes": nodes, "node_rank": int(rank), "rdzv_endpoint": args.rdzv_endpoint}
 
 
 def _returns(args: Any, bound: tuple[str, ...]) -> tuple[str, ...] | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from .runtime import Runtime
 
-__all__ = ["Request", "Plan", "PlanError", "make_plan", "MIXED_PRECISION", "STRATEGIES"]
+__all__ = ["Request", "Plan", "PlanError", "make_plan", "parse_endpoint", "MIXED_PRECISION", "STRATEGIES"]
 
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 # Long enough for rank 0 to evaluate or save while the others wait at a barrier; short enough that a rank which
@@ -31,6 +31,9 @@ class Request:
     strategy: str = "ddp"
     strict: bool = False
     timeout: float | None = None
+    num_nodes: int = 1  # machines whose ranks form one group; each runs num_processes ranks
+    node_rank: int = 0  # this machine's place among them (node 0 hosts the rendezvous)
+    rdzv_endpoint: str = ""  # HOST:PORT of node 0's rendezvous, for several nodes
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,10 @@ class Plan:
     threads_per_process: int
     launch: str  # "kernel": the cell runs in the kernel; "fork": forked ranks
     accelerator: str  # "eager": built now; "lazy": built on first use (keeps the kernel CUDA-free)
-    timeout: float = 900.0  # seconds a collective may wait for the other ranks
+    timeout: float = 900.0  # seconds a collective may wait for the other ranks (and the nodes for each other)
+    num_nodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""  # HOST:PORT of node 0's rendezvous when num_nodes > 1
     notes: tuple[str, ...] = ()
     runtime: Runtime = field(default_factory=Runtime, compare=False)
     request: Request = field(default_factory=Request, compare=False)
@@ -78,6 +84,9 @@ class Plan:
             "launch": self.launch,
             "accelerator": self.accelerator,
             "timeout": self.timeout,
+            "num_nodes": self.num_nodes,
+            "node_rank": self.node_rank,
+            "rdzv_endpoint": self.rdzv_endpoint,
             "notes": list(self.notes),
         }
 
@@ -110,6 +119,35 @@ def _validate(request: Request) -> None:
         raise PlanError(f"timeout must be a number of seconds above 0, not {request.timeout!r}.")
     if request.strategy not in STRATEGIES:
         raise PlanError(f"strategy must be one of {', '.join(STRATEGIES)}, not {request.strategy!r}.")
+    _validate_nodes(request)
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """HOST:PORT (an IPv6 address in brackets: [::1]:29500) as (host, port); PlanError when it is not one."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise PlanError(
+            f"rdzv_endpoint must be HOST:PORT, the address of node 0 and a port every node can reach (for "
+            f"example 10.0.0.5:29500), not {text!r}."
+        )
+    return host, int(port)
+
+
+def _validate_nodes(request: Request) -> None:
+    m, r = request.num_nodes, request.node_rank
+    for name, value, least in (("num_nodes", m, 1), ("node_rank", r, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise PlanError(f"{name} must be a whole number of at least {least}, not {value!r}.")
+    if r >= m:
+        raise PlanError(f"node_rank must be below num_nodes ({m}): give each node a rank from 0 to {m - 1}.")
+    if m > 1 and not request.rdzv_endpoint:
+        raise PlanError(
+            f"{m} nodes need a rendezvous endpoint: give every node the same --rdzv-endpoint HOST:PORT, the "
+            "address of node 0 and a free port there."
+        )
+    if request.rdzv_endpoint:
+        parse_endpoint(request.rdzv_endpoint)
 
 
 class _Notes:
@@ -258,7 +296,12 @@ def make_plan(runtime: Runtime, request: Request | None = None) -> Plan:
         threads = runtime.omp_num_threads
     else:
         threads = max(1, runtime.cpu_budget // n)
-    launch = "kernel" if n == 1 else "fork"
+    if req.num_nodes > 1 and device in ("xla", "mps"):
+        raise PlanError(
+            f"Training across machines runs on CPUs or CUDA GPUs, not on {device.upper()}: add --cpu, or train on "
+            "one machine."
+        )
+    launch = "kernel" if n == 1 and req.num_nodes == 1 else "fork"
     # Built on first use on CPU too: an Accelerator the notebook never used then leaves accelerate's shared state
     # empty, which accelerate's own notebook_launcher requires.
     accelerator = "lazy" if device == "cpu" or (device == "cuda" and runtime.gpu_count > 1) else "eager"
@@ -283,6 +326,9 @@ def make_plan(runtime: Runtime, request: Request | None = None) -> Plan:
         launch=launch,
         accelerator=accelerator,
         timeout=req.timeout or DEFAULT_TIMEOUT,
+        num_nodes=req.num_nodes,
+        node_rank=req.node_rank,
+        rdzv_endpoint=req.rdzv_endpoint.strip() if req.num_nodes > 1 else "",
         notes=tuple(notes.items),
         runtime=runtime,
         request=req,

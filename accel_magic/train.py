@@ -12,9 +12,9 @@ from .cell import CellCode
 from .plan import Plan
 
 if TYPE_CHECKING:
-    from .launch import LaunchOutcome, RankBody
+    from .launch import LaunchOutcome, Nodes, RankBody
 
-__all__ = ["OneSentence", "TrainError", "CellBody", "run_in_kernel", "launch_plan", "run_ranks"]
+__all__ = ["OneSentence", "TrainError", "CellBody", "run_in_kernel", "plan_nodes", "launch_plan", "run_ranks"]
 
 
 class OneSentence(Exception):
@@ -71,9 +71,21 @@ def run_in_kernel(shell: Any, cell: str, result_name: str) -> None:
         shell.user_ns[result_name] = outcome
 
 
+def plan_nodes(plan: Plan, run_id: str = "", rdzv_timeout: float | None = None) -> Nodes:
+    """The plan's machines as the launch sees them; the nodes wait for each other as long as a collective."""
+    from .launch import Nodes
+    from .plan import parse_endpoint
+
+    if plan.num_nodes == 1:
+        return Nodes()
+    host, _ = parse_endpoint(plan.rdzv_endpoint)
+    return Nodes(plan.num_nodes, plan.node_rank, host, run_id, rdzv_timeout or plan.timeout)
+
+
 def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | None, max_bytes: int,
                 receive: Callable[[bytes, str], Any] | None, monitor_interval: float = 0.05,
-                port_option: str = "--port") -> LaunchOutcome:  # fmt: skip
+                port_option: str = "--port", endpoint_option: str = "--rdzv-endpoint",
+                nodes: Nodes | None = None) -> LaunchOutcome:  # fmt: skip
     """Launch `body` as the plan's ranks, with the launch banner first. Raises TrainError before anything
     starts, LaunchError when the launch failed, KeyboardInterrupt when it was interrupted."""
     from .accelerator import rank_environment
@@ -81,8 +93,17 @@ def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | N
     from .launch import LaunchError, launch, launch_error
     from .launch.guard import check_port, cuda_fork_blocker
     from .launch.relay import publish_kernel_message
+    from .plan import parse_endpoint
 
-    if port is not None and not check_port(port):
+    nodes = nodes or plan_nodes(plan)
+    if plan.num_nodes > 1:
+        port = parse_endpoint(plan.rdzv_endpoint)[1]
+        if plan.node_rank == 0 and not check_port(port, nodes.host):
+            raise TrainError(
+                f"Node 0 cannot listen on {plan.rdzv_endpoint} (not an address of this machine, or the port is in "
+                f"use): give node 0's own address and a free port in {endpoint_option}, the same on every node."
+            )
+    elif port is not None and not check_port(port):
         raise TrainError(f"Port {port} is in use: choose another with {port_option}, or leave {port_option} out.")
     blocker = cuda_fork_blocker() if plan.device == "cuda" else None
     if blocker:
@@ -105,6 +126,7 @@ def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | N
         receive=receive,
         max_bytes=max_bytes,
         monitor_interval=monitor_interval,
+        nodes=nodes,
     )
     if outcome.interrupted:
         raise KeyboardInterrupt

@@ -10,12 +10,14 @@ from functools import partial
 from typing import Any
 
 from . import elastic, guard
+from .elastic import ONE_NODE, Nodes
 from .outcome import LaunchError, LaunchOutcome, RankFailure, collect, launch_error
+from .peers import Peers, reach_node0
 from .rank import RankBody, RankProgram
 from .relay import Pipes, Relay
 from .workdir import Workdir
 
-__all__ = ["launch", "LaunchError", "LaunchOutcome", "RankFailure", "RankBody", "launch_error"]
+__all__ = ["launch", "Nodes", "LaunchError", "LaunchOutcome", "RankFailure", "RankBody", "launch_error"]
 
 
 def launch(
@@ -33,47 +35,66 @@ def launch(
     receive: Callable[[bytes, str], Any] | None = None,
     max_bytes: int = 0,
     monitor_interval: float = 0.05,
+    nodes: Nodes = ONE_NODE,
 ) -> LaunchOutcome:
-    """Run `body` in `nprocs` forked ranks that form one process group. What rank 0's `body.results` returns
-    (bytes) and the files it wrote in the folder it is given reach `receive(payload, folder)` in the kernel,
-    whose answer is `outcome.received`. The agent checks on the ranks every `monitor_interval` seconds. The
-    kernel is left as it was: no process, port, file or handler."""
-    outcome = LaunchOutcome(nprocs)
+    """Run `body` in `nprocs` forked ranks that form one process group (with the ranks of the other `nodes`,
+    whose launches meet at node 0's `port`). What this node's first rank's `body.results` returns (bytes) and
+    the files it wrote in the folder it is given reach `receive(payload, folder)` in the kernel, whose answer
+    is `outcome.received`. The agent checks on the ranks every `monitor_interval` seconds. The kernel is left
+    as it was: no process, port, file or handler."""
+    first = nodes.rank * nprocs
+    outcome = LaunchOutcome(nprocs, first, nodes.count, nodes.endpoint(port or 0) if nodes.count > 1 else "")
     started = time.perf_counter()
+    if nodes.rank > 0 and not reach_node0(nodes, port or 0):
+        outcome.agent_error = f"node 0 did not answer within {nodes.timeout:g} s"
+        outcome.wall_time = time.perf_counter() - started
+        return outcome
     known = {p.pid for p in guard.descendants(set())}
     workdir: Workdir | None = None
     pipes: Pipes | None = None
     relay: Relay | None = None
+    peers: Peers | None = None
     fd: int | None = None
     try:
         workdir = Workdir(max_bytes)
         pipes = Pipes.open(nprocs)
-        sock = guard.listener(port)
-        port = sock.getsockname()[1]
-        fd = sock.detach() if elastic.loopback_rendezvous() else None
-        if fd is None:
-            sock.close()  # an older torch: its static store binds the port itself
-        program = RankProgram(body, pipes, workdir, env, threads, backend, timeout, cell_filename, port)
-        relay = Relay(pipes, on_text, on_message)
+        if nodes.rank == 0:  # this node hosts the rendezvous
+            sock = guard.listener(port, nodes.host)
+            port = sock.getsockname()[1]
+            fd = sock.detach() if elastic.bound_rendezvous() else None
+            if fd is None:
+                sock.close()  # an older torch: its static store binds the port itself
+        assert port is not None, "a node other than 0 connects to node 0's port"
+        program = RankProgram(body, pipes, workdir, env, threads, backend, timeout, cell_filename, port, first)
+        relay = Relay(pipes, on_text, on_message, first)
         with guard.kernel_state_kept():
-            config = elastic.launch_config(nprocs, port, os.path.join(workdir.path, "logs"), monitor_interval, fd)
+            logs = os.path.join(workdir.path, "logs")
+            config = elastic.launch_config(nprocs, port, logs, monitor_interval, fd, nodes)
 
             def accel_train() -> None:  # torch's agent names its entrypoint after the function
                 program()
 
             done = elastic.agent_thread().submit(partial(elastic.run_agent, config, accel_train, outcome))
+            peers = Peers(nodes, port, config.run_id) if nodes.count > 1 else None
             del config
             try:
                 while not done.is_set():
                     relay.poll(0.05)
+                    if peers is not None:
+                        _exchange(peers, relay, workdir, known, elastic.served_store(fd))
             except KeyboardInterrupt:
                 outcome.interrupted = True
+                if peers is not None:
+                    peers.tell(f"node {nodes.rank} was interrupted")
                 guard.stop(guard.descendants(known))
                 done.wait(10)
             relay.drain()
             outcome.ended = relay.ended
     finally:
         cleanup_started = time.perf_counter()
+        if peers is not None:
+            peers.close()
+            outcome.remote_failure = peers.failure
         if relay is not None:
             relay.close()
         if pipes is not None:
@@ -85,7 +106,7 @@ def launch(
             guard.stop(leftovers)
         if workdir is not None:
             try:
-                collect(outcome, {r: workdir.records(r) for r in range(nprocs)})
+                collect(outcome, {r: workdir.records(r) for r in outcome.ranks})
                 if outcome.ok and receive is not None:
                     _receive(outcome, workdir, receive)
             finally:
@@ -95,9 +116,30 @@ def launch(
     return outcome
 
 
+def _exchange(peers: Peers, relay: Relay, workdir: Workdir, known: set[int], served: Any) -> None:
+    """Across machines: once the ranks have started, stop them when another node failed; else report this
+    node's first failure that is its own (not an error that a lost peer caused) to the others."""
+    if not relay.greeted:
+        return
+    peers.join(served)
+    peers.poll()
+    if peers.failure:
+        if not peers.acted:
+            peers.acted = True
+            guard.terminate(guard.descendants(known))
+        return
+    if peers.told:
+        return
+    for rank, (code, _) in sorted(relay.ended.items(), key=lambda item: item[1][1]):
+        error = workdir.records(rank).error if code else None
+        if code and (error is None or error.kind != "collateral"):
+            peers.tell(f"rank {rank}: {error.summary}" if error else f"rank {rank} ended with exit code {code}")
+            return
+
+
 def _receive(outcome: LaunchOutcome, workdir: Workdir, receive: Callable[[bytes, str], Any]) -> None:
     """Hand rank 0's results to `receive` before the folder goes; a damaged transfer is reported, not raised."""
-    payload = workdir.read_bytes("results", 0)
+    payload = workdir.read_bytes("results", outcome.first_rank)
     if payload is None:
         return
     try:

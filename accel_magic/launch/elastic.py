@@ -1,10 +1,11 @@
-"""Everything that touches torch's elastic agent: the rendezvous store on a socket bound to loopback, the
-`LaunchConfig`, and the one long-lived thread that runs each launch's agent.
+"""Everything that touches torch's elastic agent: the rendezvous store on a socket bound to one address
+(loopback for one node; node 0's own for several), the `LaunchConfig`, and the one long-lived thread that runs
+each launch's agent.
 
 Private APIs of torch, used here only:
 - `torch.distributed.elastic.rendezvous.rendezvous_handler_registry._registry` (a dict, torch 2.0 and later):
-  our loopback rendezvous is put there by name, which survives `%reload_ext` (`register()` refuses a name
-  twice). Fallback: none needed while the dict exists; `loopback_rendezvous()` says False when the store
+  our bound rendezvous is put there by name, which survives `%reload_ext` (`register()` refuses a name
+  twice). Fallback: none needed while the dict exists; `bound_rendezvous()` says False when the store
   cannot take a socket.
 - `static_tcp_rendezvous.create_rdzv_handler` and the handler's `_store`, `master_addr`, `master_port`,
   `world_size`, `timeout` (torch 2.0 and later): the static handler, with its store replaced by one serving
@@ -20,21 +21,39 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .outcome import LaunchOutcome
 
-__all__ = ["LOOPBACK_BACKEND", "loopback_rendezvous", "release_socket", "launch_config", "run_agent",
+__all__ = ["BOUND_BACKEND", "Nodes", "bound_rendezvous", "release_socket", "served_store", "launch_config", "run_agent",
            "AgentThread", "agent_thread", "shutdown_agent_thread"]  # fmt: skip
 
-LOOPBACK_BACKEND = "accel_magic_loopback"
-_store_took: set[int] = set()  # listening fds a TCP store took over (it closes them itself)
+BOUND_BACKEND = "accel_magic_bound"
+_stores: dict[int, Any] = {}  # listening fd -> the TCP store that took it over (and closes it), kept to the end
 
 
-def _create_loopback_handler(params: Any) -> Any:
-    """torch's static rendezvous, with its TCP store serving on a socket already bound to 127.0.0.1 (left to
-    itself it listens on every interface)."""
+@dataclass(frozen=True)
+class Nodes:
+    """The machines whose ranks form one group, and this one's place: node 0 hosts the rendezvous store on
+    `host` (this machine's own address), the others connect to it. Ranks are numbered by node rank."""
+
+    count: int = 1
+    rank: int = 0
+    host: str = "127.0.0.1"
+    run_id: str = ""  # the same on every node; chosen from the endpoint when empty
+    timeout: float = 60.0  # seconds the nodes wait for each other at the rendezvous
+
+    def endpoint(self, port: int) -> str:
+        return f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
+
+
+ONE_NODE = Nodes()
+
+
+def _create_bound_handler(params: Any) -> Any:
+    """torch's static rendezvous, with its TCP store serving on a socket already bound to one address (left to
+    itself it listens on every interface). It waits up to the rendezvous timeout for every node to connect."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -42,6 +61,7 @@ def _create_loopback_handler(params: Any) -> Any:
 
     fd = int(params.config.pop("listen_fd"))
     handler = create_rdzv_handler(params)
+    _stores[fd] = None  # the store owns the socket from here on, and closes it even when it fails to start
     handler._store = TCPStore(
         handler.master_addr,
         handler.master_port,
@@ -50,46 +70,54 @@ def _create_loopback_handler(params: Any) -> Any:
         timedelta(seconds=handler.timeout.total_seconds()),
         master_listen_fd=fd,
     )
-    _store_took.add(fd)
-    handler.get_backend = lambda: LOOPBACK_BACKEND  # the registry checks the name it was asked for
+    _stores[fd] = handler._store  # node 0 serves its peers until the launch ends, after its agent
+    handler.get_backend = lambda: BOUND_BACKEND  # the registry checks the name it was asked for
     return handler
 
 
-def loopback_rendezvous() -> bool:
+def bound_rendezvous() -> bool:
     """Whether torch's TCP store takes a pre-bound listening socket (feature-detected); registers the backend."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
 
     if "master_listen_fd" not in (TCPStore.__init__.__doc__ or ""):
         return False
-    registry._registry[LOOPBACK_BACKEND] = _create_loopback_handler  # reload-safe, unlike register()
+    registry._registry[BOUND_BACKEND] = _create_bound_handler  # reload-safe, unlike register()
     return True
 
 
 def release_socket(fd: int) -> None:
-    """Close the launch's listening socket unless a store took it over (the store closes it then)."""
-    if fd in _store_took:
-        _store_took.discard(fd)
+    """Close the launch's listening socket: its store, when one took it over; else the socket itself."""
+    if fd in _stores:
+        del _stores[fd]
     else:
         os.close(fd)
 
 
-def launch_config(nprocs: int, port: int, log_dir: str, monitor: float, listen_fd: int | None) -> Any:
-    """One node, `nprocs` forked ranks, no restarts, logs in the launch's folder, rendezvous on 127.0.0.1."""
+def served_store(fd: int | None) -> Any:
+    """The TCP store serving on the launch's socket, once the rendezvous has made it (else None)."""
+    return _stores.get(fd) if fd is not None else None
+
+
+def launch_config(nprocs: int, port: int, log_dir: str, monitor: float, listen_fd: int | None,
+                  nodes: Nodes = ONE_NODE) -> Any:  # fmt: skip
+    """`nprocs` forked ranks on this node, no restarts, logs in the launch's folder; the rendezvous on
+    `nodes.host` (127.0.0.1 for one node), served from `listen_fd` on node 0."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
     names = {f.name for f in fields(LaunchConfig)}
-    rdzv_configs: dict[str, Any] = {"rank": 0, "timeout": 60}
+    rdzv_configs: dict[str, Any] = {"rank": nodes.rank, "timeout": max(1, round(nodes.timeout))}
     if listen_fd is not None:
         rdzv_configs["listen_fd"] = listen_fd
+    run_id = nodes.run_id or (f"accel_magic_{os.getpid()}_{port}" if nodes.count == 1 else f"accel_magic_{port}")
     kwargs: dict[str, Any] = dict(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=nodes.count,
+        max_nodes=nodes.count,
         nproc_per_node=nprocs,
-        run_id=f"accel_magic_{os.getpid()}_{port}",
-        rdzv_endpoint=f"127.0.0.1:{port}",
-        rdzv_backend=LOOPBACK_BACKEND if listen_fd is not None else "static",
+        run_id=run_id,
+        rdzv_endpoint=nodes.endpoint(port),
+        rdzv_backend=BOUND_BACKEND if listen_fd is not None else "static",
         rdzv_configs=rdzv_configs,
         max_restarts=0,
         monitor_interval=monitor,
@@ -115,11 +143,12 @@ def run_agent(config: Any, entry: Callable[[], None], outcome: LaunchOutcome) ->
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    ranks = outcome.ranks
     try:
         elastic_launch(config, entry)()
-        outcome.exitcodes = dict.fromkeys(range(config.nproc_per_node), 0)
-    except ChildFailedError as err:
-        codes: dict[int, int | None] = dict.fromkeys(range(config.nproc_per_node), 0)
+        outcome.exitcodes = dict.fromkeys(ranks, 0)
+    except ChildFailedError as err:  # its failures are keyed by global rank
+        codes: dict[int, int | None] = dict.fromkeys(ranks, 0)
         for rank, failure in err.failures.items():
             codes[rank] = failure.exitcode
         outcome.exitcodes = codes

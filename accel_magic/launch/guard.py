@@ -65,6 +65,15 @@ def descendants(known: set[int]) -> list[Any]:
         return []
 
 
+def terminate(procs: list[Any]) -> None:
+    """SIGTERM, without waiting or reaping: the agent that started them sees them end and stops the rest."""
+    import psutil
+
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+
+
 def stop(procs: list[Any], grace: float = 2.0) -> None:
     """SIGTERM, then SIGKILL after `grace` seconds; reap what we can."""
     import psutil
@@ -79,22 +88,26 @@ def stop(procs: list[Any], grace: float = 2.0) -> None:
     psutil.wait_procs(alive, timeout=grace)
 
 
-def check_port(port: int) -> bool:
-    """True when the port can be bound on loopback now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def check_port(port: int, host: str = "127.0.0.1") -> bool:
+    """True when the port can be bound on `host` now."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
     return True
 
 
-def listener(port: int | None) -> socket.socket:
-    """The rendezvous socket, bound to 127.0.0.1 now (port None: a free one), so no other launch or program
+def listener(port: int | None, host: str = "127.0.0.1") -> socket.socket:
+    """The rendezvous socket, bound now to `host` alone (port None: a free one), so no other launch or program
     can take the port between choosing and using it."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
     try:
-        sock.bind(("127.0.0.1", port or 0))
+        sock.bind((host, port or 0))
         sock.listen(128)
     except OSError:
         sock.close()

@@ -56,7 +56,11 @@ class RankRecords:
 
 @dataclass
 class LaunchOutcome:
-    num_processes: int
+    num_processes: int  # this node's ranks
+    first_rank: int = 0  # this node's first global rank (0 on one node)
+    num_nodes: int = 1
+    endpoint: str = ""  # HOST:PORT of the rendezvous, for several nodes
+    remote_failure: str = ""  # what another node reported before this node's ranks were stopped
     wall_time: float = 0.0
     cleanup_time: float = 0.0  # part of wall_time spent putting the kernel back as it was
     exitcodes: dict[int, int | None] = field(default_factory=dict)
@@ -77,6 +81,11 @@ class LaunchOutcome:
             for r, c in sorted(self.exitcodes.items())
         )
         return f"<accel_train {status}: {self.num_processes} processes, wall time {self.wall_time:.2f} s; {ranks}>"
+
+    @property
+    def ranks(self) -> range:
+        """This node's global ranks."""
+        return range(self.first_rank, self.first_rank + self.num_processes)
 
     @property
     def ok(self) -> bool:
@@ -153,11 +162,32 @@ def collect(outcome: LaunchOutcome, records: Mapping[int, RankRecords]) -> None:
 def launch_error(outcome: LaunchOutcome, timeout: float) -> LaunchError:
     """One exception for a failed launch, built outside any `except` block: it names the rank where the
     failure started and holds nothing of the launch (so the rendezvous port is freed)."""
+    if outcome.agent_error and outcome.num_nodes > 1:
+        others = outcome.num_nodes - 1
+        return LaunchError(
+            f"this node could not form one group with the other {others} node{'s' if others > 1 else ''} at "
+            f"{outcome.endpoint} ({outcome.agent_error}): start the cell on every node within {timeout:g} s "
+            "(--timeout), each with its own --node-rank and the same --nodes and --rdzv-endpoint; nothing was "
+            "trained.",
+            outcome=outcome,
+        )
     if outcome.agent_error:
         return LaunchError(f"the launch failed before the cell ran: {outcome.agent_error}", outcome=outcome)
     root = outcome.root_cause()
     assert root is not None
     stopped = " The other ranks were stopped." if outcome.num_processes > 1 else ""
+    if outcome.num_nodes > 1 and root.kind in ("collateral", "signal") and outcome.remote_failure:
+        headline = (
+            f"the launch failed on another node ({outcome.remote_failure}), so this node's ranks were stopped; "
+            "that node's cell names the rank and the line."
+        )
+        return LaunchError(headline, outcome=outcome)
+    if outcome.num_nodes > 1 and root.kind == "collateral":  # every failure here was caused elsewhere
+        headline = (
+            f"rank {root.rank} lost the ranks of another node ({root.summary}): the failure started on another "
+            "node, whose cell names the rank and the line; this node's ranks were stopped."
+        )
+        return LaunchError(headline, outcome=outcome)
     if root.kind == "timeout":
         headline = (
             f"rank {root.rank}: a collective waited more than {timeout:g} s (--timeout) for the other ranks; "

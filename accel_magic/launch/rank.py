@@ -31,11 +31,18 @@ Phase = Literal["before", "cell", "after"]
 
 
 class RankBody(Protocol):
-    """What a launch runs in each rank, in three steps the rank tells apart."""
+    """What a launch runs in each rank, in three steps the rank tells apart. `rank` is the rank's place on this
+    node (LOCAL_RANK): the results of the first go back to this node's kernel."""
 
     def setup(self, rank: int) -> None: ...  # before the cell: e.g. a fresh accelerator
     def run(self) -> None: ...  # the user's cell
     def results(self, rank: int, folder: str) -> bytes | None: ...  # after it: what goes back to the kernel
+
+
+class NodeMismatch(RuntimeError):
+    """The group numbered this node's ranks otherwise than the kernel expects: the nodes differ in -n."""
+
+    no_traceback = True
 
 
 def classify(err: BaseException) -> FailureKind:
@@ -114,24 +121,31 @@ class RankProgram:
     """Everything a rank needs, inherited through fork; calling it runs the rank whose RANK the agent set."""
 
     def __init__(self, body: RankBody, pipes: Pipes, workdir: Workdir, env: dict[str, str], threads: int,
-                 backend: str, timeout: float, cell_filename: str, port: int):  # fmt: skip
+                 backend: str, timeout: float, cell_filename: str, port: int, first_rank: int = 0):  # fmt: skip
         self.body, self.pipes, self.workdir, self.env = body, pipes, workdir, env
         self.threads, self.backend, self.timeout, self.cell_filename = threads, backend, timeout, cell_filename
-        self.port = port
+        self.port, self.first_rank = port, first_rank
 
     def __call__(self) -> None:
-        rank = int(os.environ.get("RANK", "0"))
+        rank = int(os.environ.get("RANK", "0"))  # in the whole group: records and messages use it
+        local = int(os.environ.get("LOCAL_RANK", "0"))  # on this node: its pipes, and what it sends back
         start = time.time()
         phase: Phase = "before"
         try:
             self.workdir.write("started", rank, os.getpid())
-            self._redirect(rank)
+            self._redirect(local)
             os.environ.update(self.env)
-            self._setup(rank)
+            if rank != self.first_rank + local:
+                world = os.environ.get("WORLD_SIZE", "?")
+                raise NodeMismatch(
+                    f"the group of {world} ranks numbered this node's rank {local} as rank {rank}: run the cell "
+                    "with the same -n on every node"
+                )
+            self._setup(local)
             phase = "cell"
             self._run_cell(rank)
             phase = "after"
-            payload = self.body.results(rank, self.workdir.results)
+            payload = self.body.results(local, self.workdir.results)
             if payload is not None:
                 self.workdir.write_bytes("results", rank, payload)
             self.workdir.write("status", rank, {"duration": time.time() - start})
@@ -159,10 +173,10 @@ class RankProgram:
             self._record("error", rank, RankFailure(rank, exit_code, "exit", summary, "", time.time()))
         return exit_code
 
-    def _redirect(self, rank: int) -> None:
-        os.dup2(self.pipes.out[rank][1], 1)
-        os.dup2(self.pipes.err[rank][1], 2)
-        msg_w = os.dup(self.pipes.msg[rank][1])
+    def _redirect(self, local: int) -> None:
+        os.dup2(self.pipes.out[local][1], 1)
+        os.dup2(self.pipes.err[local][1], 2)
+        msg_w = os.dup(self.pipes.msg[local][1])
         os.write(msg_w, frame({"hello": os.getpid()}))  # the kernel watches this pid from now on
         for fd in self.pipes.all_fds() + listening_fds(self.port):
             with contextlib.suppress(OSError):
@@ -170,9 +184,9 @@ class RankProgram:
         # Fresh streams on the new fds: the kernel's stream objects hold locks its threads may have held at fork.
         sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
         sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
-        capture_kernel_messages(rank, msg_w)
+        capture_kernel_messages(local, msg_w)
 
-    def _setup(self, rank: int) -> None:
+    def _setup(self, local: int) -> None:
         from datetime import timedelta
 
         import torch
@@ -184,7 +198,7 @@ class RankProgram:
         reset_state()  # state copied from the notebook would make the rank believe it trains alone
         if not dist.is_initialized():
             dist.init_process_group(self.backend, timeout=timedelta(seconds=self.timeout))
-        self.body.setup(rank)
+        self.body.setup(local)
 
     def _run_cell(self, rank: int) -> None:
         """Run the cell; a call to os._exit in it leaves no exception, so it is recorded, then done as asked."""

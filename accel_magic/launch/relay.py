@@ -119,19 +119,22 @@ class RankLines:
 
 class Relay:
     """Reads every rank's pipes in the kernel's main thread, and watches each rank's process (from its hello)
-    to learn how and when it ended before anyone reaps it."""
+    to learn how and when it ended before anyone reaps it. Ranks are named in the whole group: this node's
+    pipes belong to ranks `first_rank` on, and the first of them sends the kernel messages."""
 
     def __init__(self, pipes: Pipes, on_text: Callable[[int, str, str], None],
-                 on_message: Callable[[dict[str, Any]], None]):  # fmt: skip
+                 on_message: Callable[[dict[str, Any]], None], first_rank: int = 0):  # fmt: skip
         self.lines = RankLines()
         self.on_text, self.on_message = on_text, on_message
+        self.first_rank = first_rank
         self.sel = selectors.DefaultSelector()
         for stream, ends in (("stdout", pipes.out), ("stderr", pipes.err), ("msg", pipes.msg)):
-            for rank, (r, _) in enumerate(ends):
+            for rank, (r, _) in enumerate(ends, start=first_rank):
                 os.set_blocking(r, False)
                 self.sel.register(r, selectors.EVENT_READ, (rank, stream))
         self.frames: dict[int, Frames] = {}
         self.ended: dict[int, tuple[int, float]] = {}  # rank -> (exit code or -signal, when it ended)
+        self.greeted = False  # a rank said hello: the rendezvous is done
         self.closed = False
 
     def watch(self, rank: int, pid: int) -> bool:
@@ -177,8 +180,9 @@ class Relay:
             if not isinstance(message, dict):
                 continue
             if "hello" in message:
+                self.greeted = True
                 self.watch(rank, message["hello"])
-            elif rank == 0:
+            elif rank == self.first_rank:
                 with contextlib.suppress(Exception):
                     self.on_message(message)
 
@@ -215,9 +219,9 @@ def _kernel() -> Any:
 
 
 def capture_kernel_messages(rank: int, msg_fd: int) -> None:
-    """In a rank, the kernel's session cannot send (fork check, dead IOPub thread). Rank 0's IOPub messages
-    (displays, widgets such as tqdm.auto bars) go to the kernel through its message pipe; other ranks' are
-    dropped."""
+    """In a rank, the kernel's session cannot send (fork check, dead IOPub thread). The IOPub messages
+    (displays, widgets such as tqdm.auto bars) of the node's first rank (`rank` is LOCAL_RANK) go to the kernel
+    through its message pipe; other ranks' are dropped."""
     kernel = _kernel()
     session = getattr(kernel, "session", None)
     if session is None:

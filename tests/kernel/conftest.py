@@ -92,3 +92,17 @@ def live_kernel():
     kernel = LiveKernel()
     yield kernel
     kernel.close()
+
+
+@pytest.fixture
+def live_kernels():
+    """Start as many live kernels as the test asks for; all are shut down after it."""
+    made: list[LiveKernel] = []
+
+    def start() -> LiveKernel:
+        made.append(LiveKernel())
+        return made[-1]
+
+    yield start
+    for kernel in made:
+        kernel.close()

@@ -79,9 +79,10 @@ def test_the_drop_in_names_the_failing_rank_and_the_next_launch_works(kernel_run
 @pytest.mark.parametrize(
     ("call", "says"),
     [
-        ("num_nodes=2", r"num_nodes=2 asks for a launch across machines, which accel_magic does not run yet"),
-        ("master_addr='10.0.0.2'", r"master_addr='10.0.0.2' asks for a launch across machines"),
-        ("rdzv_backend='c10d'", r"rdzv_backend='c10d' asks for a launch across machines"),
+        ("master_addr='10.0.0.2'", r"master_addr='10.0.0.2' is for a launch across machines: add num_nodes=M"),
+        ("num_nodes=2, node_rank=2", r"node_rank must be below num_nodes \(2\): give each node a rank from 0 to 1\."),
+        ("num_nodes=2, rdzv_backend='etcd'", r"rdzv_backend must be 'static' or 'c10d', not 'etcd'"),
+        ("num_nodes=2, rdzv_conf={'join_timeout': 5}", r"rdzv_conf takes only 'timeout' .* not join_timeout"),
         ("max_restarts=3", r"accel_magic does not restart failed ranks"),
         ("log_line_prefix_template='${rank}: '", r"log_line_prefix_template is not supported"),
         ("num_processes=0", r"num_processes must be a whole number of at least 1, not 0\."),

@@ -48,6 +48,17 @@ TRAIN_CASES += [
     ("--no-return --return x", "accel_train"),
     ("--strategy fsdp", "accel_train"),  # a setup-only option
     ("-n 2 --port", "accel_train"),
+    ("--nodes 0", "accel_train"),
+    ("--nodes two", "accel_train"),
+    ("--nodes 2", "accel_train"),  # no --node-rank or --rdzv-endpoint
+    ("--nodes 2 --node-rank 0", "accel_train"),
+    ("--nodes 2 --node-rank 2 --rdzv-endpoint 127.0.0.1:29500", "accel_train"),
+    ("--nodes 2 --node-rank -1 --rdzv-endpoint 127.0.0.1:29500", "accel_train"),
+    ("--nodes 2 --node-rank 0 --rdzv-endpoint 127.0.0.1", "accel_train"),
+    ("--nodes 2 --node-rank 0 --rdzv-endpoint :29500", "accel_train"),
+    ("--nodes 2 --node-rank 0 --rdzv-endpoint host:99999", "accel_train"),
+    ("--nodes 2 --node-rank 0 --rdzv-endpoint 127.0.0.1:29500 --port 29501", "accel_train"),
+    ("--node-rank 1 --rdzv-endpoint 127.0.0.1:29500", "accel_train"),  # no --nodes
 ]
 
 

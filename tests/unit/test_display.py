@@ -14,3 +14,18 @@ def test_gloos_connection_chatter_never_reaches_the_cell_and_the_users_lines_do(
     captured = capsys.readouterr()
     assert captured.out == "epoch 1\rloss 0.5\n"
     assert captured.err == "[rank 1] [Gloo] is what my own message says\n"
+
+
+def test_the_banner_of_a_node_names_its_place_and_ranks_in_the_whole_group() -> None:
+    from accel_magic.display import launch_banner
+    from accel_magic.plan import Request, make_plan
+    from accel_magic.runtime import Runtime
+
+    cpu = Runtime(platform="jupyter", cpu_budget=2, cpu_count=2)
+    plan = make_plan(cpu, Request(num_processes=2, num_nodes=3, node_rank=1, rdzv_endpoint="10.0.0.5:29500"))
+    assert launch_banner(plan).startswith(
+        "accel_train: node 1 of 3 (ranks 2-3 of 6, rendezvous at 10.0.0.5:29500): 2 processes on cpu (gloo), "
+        "1 thread each"
+    )
+    one = make_plan(cpu, Request(num_processes=1, num_nodes=2, node_rank=1, rdzv_endpoint="h:1"))
+    assert "node 1 of 2 (rank 1 of 2, rendezvous at h:1): 1 process on cpu" in launch_banner(one)

@@ -114,3 +114,35 @@ def test_a_failure_inside_accel_magic_says_so_and_ends_its_details_with_the_vers
     details = err.details.split("\n")
     assert details[-1] == "versions: python 3.12.1, torch 2.5.1, accelerate -"
     assert details[-2] == "ImportError: no accelerate"
+
+
+def test_across_machines_a_node_whose_ranks_were_stopped_for_another_node_says_where_it_started() -> None:
+    outcome = LaunchOutcome(2, first_rank=2, num_nodes=2, endpoint="10.0.0.5:29500")
+    outcome.remote_failure = "rank 1: ValueError: bad batch"
+    outcome.exitcodes = {2: -15, 3: -15}
+    collect(outcome, {2: RankRecords(started=True), 3: RankRecords(started=True)})
+    assert outcome.root_cause().kind == "signal"
+    err = launch_error(outcome, 900)
+    assert err.headline == (
+        "the launch failed on another node (rank 1: ValueError: bad batch), so this node's ranks were stopped; "
+        "that node's cell names the rank and the line."
+    )
+
+
+def test_across_machines_ranks_that_lost_their_peers_point_to_the_other_node() -> None:
+    outcome = LaunchOutcome(1, first_rank=0, num_nodes=2, endpoint="10.0.0.5:29500", exitcodes={0: 1})
+    lost = RankFailure(0, 1, "collateral", "RuntimeError: Connection closed by peer [10.0.0.6]:4242", when=1.0)
+    collect(outcome, {0: RankRecords(started=True, error=lost)})
+    headline = launch_error(outcome, 900).headline
+    assert headline.startswith("rank 0 lost the ranks of another node (RuntimeError: Connection closed by peer")
+    assert "the failure started on another node, whose cell names the rank and the line" in headline
+
+
+def test_across_machines_a_rendezvous_that_never_formed_says_how_to_start_the_nodes() -> None:
+    outcome = LaunchOutcome(1, num_nodes=3, endpoint="10.0.0.5:29500", agent_error="node 0 did not answer within 60 s")
+    headline = launch_error(outcome, 60).headline
+    assert headline == (
+        "this node could not form one group with the other 2 nodes at 10.0.0.5:29500 (node 0 did not answer within "
+        "60 s): start the cell on every node within 60 s (--timeout), each with its own --node-rank and the same "
+        "--nodes and --rdzv-endpoint; nothing was trained."
+    )

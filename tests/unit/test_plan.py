@@ -227,3 +227,43 @@ def test_plan_text_names_every_decision() -> None:
     text = repr(make_plan(CPU1, Request(num_processes=2, mixed_precision="fp16")))
     for word in ("platform", "binder", "gloo", "num_processes", "2, as forked ranks", "CPU budget", "notes:"):
         assert word in text
+
+
+def test_several_nodes_always_fork_even_one_rank_each_and_keep_their_place() -> None:
+    plan = make_plan(CPU2, Request(num_processes=1, num_nodes=2, node_rank=1, rdzv_endpoint=" 10.0.0.5:29500 "))
+    assert (plan.launch, plan.num_nodes, plan.node_rank, plan.rdzv_endpoint) == ("fork", 2, 1, "10.0.0.5:29500")
+    assert plan.to_dict()["num_nodes"] == 2
+    assert make_plan(CPU2, Request(num_processes=1)).launch == "kernel"
+
+
+@pytest.mark.parametrize(
+    ("request_", "says"),
+    [
+        (Request(num_nodes=2), r"2 nodes need a rendezvous endpoint: give every node the same --rdzv-endpoint"),
+        (Request(num_nodes=2, node_rank=2, rdzv_endpoint="h:1"), r"node_rank must be below num_nodes \(2\)"),
+        (Request(num_nodes=0), r"num_nodes must be a whole number of at least 1, not 0\."),
+        (Request(num_nodes=2, node_rank=-1, rdzv_endpoint="h:1"), r"node_rank must be a whole number of at least 0"),
+        (Request(num_nodes=2, rdzv_endpoint="10.0.0.5"), r"rdzv_endpoint must be HOST:PORT"),
+        (Request(num_nodes=2, rdzv_endpoint="10.0.0.5:0"), r"rdzv_endpoint must be HOST:PORT"),
+    ],
+)
+def test_a_request_across_machines_that_cannot_work_is_one_sentence(request_: Request, says: str) -> None:
+    with pytest.raises(PlanError, match=says) as info:
+        make_plan(CPU2, request_)
+    assert str(info.value).count(". ") == 0 and str(info.value).endswith(".")
+
+
+def test_training_across_machines_on_a_tpu_or_mps_is_refused_with_what_to_do() -> None:
+    for runtime in (TPU_XLA, MPS):
+        with pytest.raises(PlanError, match=r"Training across machines runs on CPUs or CUDA GPUs.*add --cpu"):
+            make_plan(runtime, Request(num_nodes=2, rdzv_endpoint="h:29500"))
+
+
+def test_endpoints_parse_with_ipv6_brackets_and_host_names() -> None:
+    from accel_magic.plan import parse_endpoint
+
+    assert parse_endpoint("[::1]:29500") == ("::1", 29500)
+    assert parse_endpoint("node-0.cluster:1234") == ("node-0.cluster", 1234)
+    for bad in ("29500", "host:", "host:http", ":29500", "host:70000"):
+        with pytest.raises(PlanError):
+            parse_endpoint(bad)
