@@ -687,9 +687,19 @@ def _resolve(
 
 
 def _why(cell: _Cell, users: dict[int, list[str]], training: int) -> str:
+    """ "defines model, opt (used by [7]); X (used by [5], [7])": names grouped by the cells that use them."""
     if cell.count == training:
         return "the %%accel_train cell"
-    uses = "; ".join(f"{', '.join(sorted(names))} (used by [{user}])" for user, names in sorted(users.items()))
+    by_name: dict[str, list[int]] = {}
+    for user, names in sorted(users.items()):
+        for name in names:
+            by_name.setdefault(name, []).append(user)
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for name, cells in sorted(by_name.items()):
+        groups.setdefault(tuple(cells), []).append(name)
+    uses = "; ".join(
+        f"{', '.join(names)} (used by {', '.join(f'[{c}]' for c in cells)})" for cells, names in groups.items()
+    )
     return ("an earlier %%accel_train cell; " if cell.training else "") + f"defines {uses}"
 
 
