@@ -17,7 +17,20 @@ from pathlib import Path
 
 from .cell import top_level_names
 
-__all__ = ["ExportError", "Settings", "Export", "last_training_cell", "export_training_cell", "needed_names"]
+__all__ = [
+    "DEFAULT_OUTPUT",
+    "DEFAULT_PORT",
+    "ExportError",
+    "Settings",
+    "Export",
+    "Names",
+    "last_training_cell",
+    "export_training_cell",
+    "needed_names",
+    "commands",
+    "slurm_script",
+    "script_paths",
+]
 
 TRAIN_MAGIC = "%%accel_train"
 DEFAULT_OUTPUT = "accel_export_output"
@@ -79,9 +92,9 @@ class Export:
     slurm_path: str
 
     def write(self) -> None:
-        """Write the script and the SLURM file (an existing file is replaced). Raises ExportError."""
-        for path in (Path(self.script_path), Path(self.slurm_path)):
-            path.write_text(path.name.endswith(".slurm") and self.slurm or self.script)
+        """Write the script and the SLURM file (an existing file is replaced)."""
+        Path(self.script_path).expanduser().write_text(self.script)
+        Path(self.slurm_path).expanduser().write_text(self.slurm)
 
     def summary(self) -> str:
         taken = "\n".join(f"  [{count}] {why}" for count, why in self.cells)
@@ -415,6 +428,8 @@ class _Uses(ast.NodeVisitor):
 
 @dataclass(frozen=True)
 class Names:
+    """What a cell needs from the cells before it, and what it binds."""
+
     needed: dict[str, int]  # loaded before the cell binds them, with the line of the first such load
     bound: frozenset[str]  # everything the cell binds at top level, anywhere in it
     star: bool  # the cell has `from ... import *`
@@ -595,6 +610,8 @@ class _Cell:
 
 
 def _read_cell(count: int, raw: str, transform: Callable[[str], str], python_names: frozenset[str]) -> _Cell:
+    """The cell as Python, what it binds and needs; a magic without a translation becomes `pass` (so the rest
+    of the cell still counts) and the cell's error, raised only if the training cell depends on it."""
     found = _magic_line(raw)
     first_line = 1
     if found is not None:
@@ -646,10 +663,10 @@ def _resolve(
         if cell.error is not None:
             raise cell.error
         missing, history = [], []
+        earlier = [c for c in cells if c.count < cell.count]
         for name, line in cell.names.needed.items():
             if name in BUILTINS or name == accelerator_name or name in cell.needs:
                 continue
-            earlier = [c for c in cells if c.count < cell.count]
             definer = next((c for c in reversed(earlier) if name in c.binds), None)
             if definer is None and name in cell.names.bound:
                 continue  # bound later in the cell itself (a loop, a branch): its own
@@ -853,14 +870,15 @@ The main process writes the trained state of every model, optimizer and schedule
         "from accelerate.utils import InitProcessGroupKwargs\n\n",
         _HELPERS,
         f"""
+
 _accel_parser = argparse.ArgumentParser(description="Run the notebook's training cell.")
-_accel_parser.add_argument("--output-dir", default={DEFAULT_OUTPUT!r}, help="folder for the trained state")
+_accel_parser.add_argument("--output-dir", default="{DEFAULT_OUTPUT}", help="folder for the trained state")
 _accel_args = _accel_parser.parse_args()
 _accel_environment({settings.num_processes})
 
 {name} = Accelerator(
     cpu={settings.cpu!r},
-    mixed_precision={settings.mixed_precision!r},
+    mixed_precision="{settings.mixed_precision}",
     kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds={settings.timeout:g}))],
 )
 _accel_prepared, _accel_registered = _accel_record({name})

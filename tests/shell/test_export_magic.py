@@ -106,7 +106,7 @@ def test_the_slurm_file_passes_bash_n_and_runs_srun_torchrun_with_c10d(ip, tmp_p
     assert "#SBATCH --nodes=2 #SBATCH --ntasks-per-node=1" in text
     assert 'srun torchrun --nnodes "$SLURM_NNODES" --nproc-per-node 1 --rdzv-id "$SLURM_JOB_ID"' in text
     assert '--rdzv-backend c10d --rdzv-endpoint "$head_node:29611"' in text
-    assert "mixed_precision='bf16'" in (tmp_path / "job.py").read_text()
+    assert 'mixed_precision="bf16"' in (tmp_path / "job.py").read_text()
 
 
 def test_ipythons_own_magic_translations_are_used(ip, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

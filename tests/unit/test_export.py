@@ -293,7 +293,7 @@ def test_the_script_compiles_and_its_header_lists_the_cells_and_commands(tmp_pat
     imports = {n.names[0].name.split(".")[0] for n in ast.walk(ast.parse(result.script)) if isinstance(n, ast.Import)}
     imports |= {n.module.split(".")[0] for n in ast.walk(ast.parse(result.script)) if isinstance(n, ast.ImportFrom)}
     assert imports <= {"argparse", "datetime", "accelerate", "torch", "os", "sys"}
-    assert "cpu=True,\n    mixed_precision='no',\n" in result.script and "timedelta(seconds=900)" in result.script
+    assert 'cpu=True,\n    mixed_precision="no",\n' in result.script and "timedelta(seconds=900)" in result.script
 
 
 @pytest.mark.parametrize(
@@ -322,7 +322,7 @@ def test_commands_follow_the_plan(settings: Settings, expected: str) -> None:
 def test_the_script_builds_the_accelerator_from_the_plan(tmp_path: Path) -> None:
     settings = Settings(num_processes=2, cpu=False, mixed_precision="bf16", timeout=60, gpus=True)
     result = export("%%accel_train\nx = 1", settings=settings, tmp=tmp_path)
-    assert "cpu=False,\n    mixed_precision='bf16',\n" in result.script
+    assert 'cpu=False,\n    mixed_precision="bf16",\n' in result.script
     assert "InitProcessGroupKwargs(timeout=timedelta(seconds=60))" in result.script
     assert "#SBATCH --gpus-per-node=2" in result.slurm
 
