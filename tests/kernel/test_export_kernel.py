@@ -41,6 +41,13 @@ class Exported:
         assert not differ, f"{output}: {differ} differ from the notebook's weights"
 
 
+def free_port() -> str:
+    """A port of its own for each launch: 29500, the default, may be taken by another program."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
 def script_env() -> dict[str, str]:
     """One thread per process (two cores run two ranks), gloo on loopback, and no accel_magic on the path."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
@@ -82,16 +89,16 @@ def test_export_prints_the_files_cells_and_commands(exported: Exported) -> None:
 
 
 def test_accelerate_launch_trains_the_notebooks_weights(exported: Exported) -> None:
-    result = exported.run(sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                          output="accelerate_out")  # fmt: skip
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", free_port()]
+    result = exported.run(*launch, "--multi_gpu", "--num_processes", "2", output="accelerate_out")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "test accuracy gathered from both ranks" in result.stdout
     exported.same_weights("accelerate_out")
 
 
 def test_accelerate_launch_cpu_that_starts_one_process_is_refused(exported: Exported) -> None:
-    result = exported.run(sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
-                          output="one_process_out")  # fmt: skip
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", free_port()]
+    result = exported.run(*launch, "--cpu", "--num_processes", "2", output="one_process_out")
     assert result.returncode != 0
     assert "accelerate launch started one process, not several" in result.stderr
     assert "--multi_gpu --num_processes 2" in result.stderr
@@ -99,15 +106,14 @@ def test_accelerate_launch_cpu_that_starts_one_process_is_refused(exported: Expo
 
 
 def test_torchrun_trains_the_notebooks_weights(exported: Exported) -> None:
-    result = exported.run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", output="torchrun_out")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--master-port", free_port()]
+    result = exported.run(*launch, "--nproc-per-node", "2", output="torchrun_out")
     assert result.returncode == 0, result.stderr[-3000:]
     exported.same_weights("torchrun_out")
 
 
 def test_two_torchrun_nodes_on_loopback_train_the_notebooks_weights(exported: Exported) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
     launch += ["--rdzv-id", "export-test", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     nodes = [
