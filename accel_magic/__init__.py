@@ -49,7 +49,7 @@ def unload_ipython_extension(ipython: Any) -> None:
     """Remove exactly what load_ipython_extension added."""
     manager = ipython.magics_manager
     instance = manager.registry.pop("AccelMagics", None)
-    for kind, names in (("line", ("accel_setup",)), ("cell", ("accel_train",))):
+    for kind, names in (("line", ("accel_setup", "accel_export")), ("cell", ("accel_train",))):
         for name in names:
             manager.magics[kind].pop(name, None)
     if instance is not None and instance in ipython.configurables:

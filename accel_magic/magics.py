@@ -9,6 +9,7 @@ Private API of the standard library's argparse, used here only:
 from __future__ import annotations
 
 import keyword
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -310,6 +311,55 @@ class AccelMagics(Magics):
             )
         except TrainError as err:
             raise UsageError(str(err)) from None
+
+    @magic_arguments()
+    @argument("path", help="the script to write, a .py file; the SLURM batch file goes next to it as <name>.slurm")
+    @argument("--port", metavar="P", help="rendezvous port on the SLURM job's first node (default 29500)")
+    @line_magic
+    def accel_export(self, line: str = "") -> None:
+        """Write the last %%accel_train cell run in this kernel as a script for `accelerate launch`, `torchrun` or
+        `python`, with the earlier cells it uses, and a SLURM batch file next to it; print the commands.
+
+        The earlier cells are those that define a name the training cell uses, followed transitively, in the order
+        they ran; cells that only display are left out. Magics and ! lines become Python where they can; others are
+        refused with the cell and line. The script builds its Accelerator from the training cell's plan and writes
+        the trained state of each prepared model and optimizer to --output-dir. The notebook is left as it was.
+        """
+        from .export import DEFAULT_PORT, ExportError, Settings, export_training_cell, last_training_cell
+
+        args = _parse(self.accel_export, line, "accel_export")
+        port = _port(args.port) or DEFAULT_PORT
+        shell = self.shell
+        raw = shell.history_manager.input_hist_raw
+        history = [(count, raw[count]) for count in range(1, min(len(raw), shell.execution_count))]
+        found = last_training_cell(history)
+        if found is None:
+            raise UsageError(
+                "No %%accel_train cell has run in this kernel: run the training cell first, then %accel_export."
+            )
+        count, options = found
+        request = self._train_request(_parse(self.accel_train, options, "accel_train"))
+        try:
+            runtime = self.plan.runtime if self.plan is not None else probe(shell)
+            plan = make_plan(runtime, request)
+            settings = Settings(
+                num_processes=plan.num_processes,
+                cpu=plan.device == "cpu" or plan.cpu,
+                mixed_precision=plan.mixed_precision,
+                timeout=plan.timeout,
+                gpus=plan.device == "cuda",
+                accelerator_name=self.accelerator_name,
+            )
+            source = shell.user_ns.get("__vsc_ipynb_file__") or os.environ.get("JPY_SESSION_NAME") or "a notebook"
+            export = export_training_cell(
+                history, shell.transform_cell, count, settings, script=args.path, port=port, source=str(source)
+            )
+            export.write()
+        except (PlanError, ExportError) as err:
+            raise UsageError(str(err)) from None
+        except OSError as err:
+            raise UsageError(f"Could not write {args.path}: {err.strerror or err}; choose another path.") from None
+        print(export.summary())
 
     def _train_request(self, args: Any) -> Request:
         base = self.plan.request if self.plan is not None else Request()

@@ -6,6 +6,7 @@ Exits non-zero when a cell raises.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,8 @@ def run(path: str, timeout: int = 300) -> nbformat.NotebookNode:
 
 
 def main(paths: list[str]) -> int:
+    # The kernel finds this environment's commands (`!accelerate launch`) as in an activated environment.
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     status = 0
     for path in paths:
         print(f"=== {path}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import nbformat
@@ -45,6 +47,13 @@ def private_tmpdir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
     path = tmp_path_factory.mktemp("kernel_tmp")
     monkeypatch.setenv("TMPDIR", str(path))
     return path
+
+
+@pytest.fixture(autouse=True)
+def environment_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel finds this environment's commands (`!accelerate launch`) as in an activated environment, also
+    when the tests run with its python without activating it."""
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
 
 @pytest.fixture

@@ -15,10 +15,11 @@ NOTEBOOKS = Path(__file__).parents[2] / "notebooks"
 ACCURACY = 0.85  # digits with a small MLP reach about 0.9
 
 
-def execute(name: str) -> tuple[list[str], float]:
+def execute(name: str, folder: Path = NOTEBOOKS) -> tuple[list[str], float]:
+    """Run the notebook in `folder` (its own by default), as Jupyter does."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     start = time.monotonic()
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(folder)}}).execute()
     took = time.monotonic() - start
     texts = []
     for cell in nb.cells:
@@ -52,8 +53,8 @@ def test_01_quickstart_trains_a_classifier() -> None:
     assert float(find(texts, r"test accuracy: ([\d.]+)").group(1)) > ACCURACY
 
 
-def test_02_ddp_on_cpu_shows_shards_averaging_identical_weights_and_gathered_metrics() -> None:
-    texts, _ = execute("02_ddp_on_cpu.ipynb")
+def test_02_ddp_on_cpu_shows_shards_averaging_identical_weights_and_gathered_metrics(tmp_path: Path) -> None:
+    texts, _ = execute("02_ddp_on_cpu.ipynb", tmp_path)  # its export section writes files into the folder
     labels0 = find(texts, r"^rank 0 of 2: 14 batches per epoch, first labels (\[.*\])$").group(1)
     labels1 = find(texts, r"^\[rank 1\] rank 1 of 2: 14 batches per epoch, first labels (\[.*\])$").group(1)
     assert labels0 != labels1  # each rank sees its own shard
@@ -65,6 +66,13 @@ def test_02_ddp_on_cpu_shows_shards_averaging_identical_weights_and_gathered_met
     in_notebook = float(find(texts, r"test accuracy in the notebook: ([\d.]+)").group(1))
     assert gathered > ACCURACY and in_notebook > ACCURACY
     assert find(texts, r"^Classifier$")
+    # When you outgrow the notebook: the export, and the script run by accelerate launch from the notebook.
+    assert find(texts, r"^Wrote train_digits.py and train_digits.slurm from these cells:$")
+    assert find(texts, r"^  \[\d+\] defines F, model, opt, test_dl, torch, train_dl \(used by \[\d+\]\)$")
+    assert find(texts, r"^  accelerate launch --multi_gpu --num_processes 2 train_digits.py --output-dir \S+$")
+    assert find(texts, r"^wrote digits_out/model.pt\r?$")  # ! output comes through a terminal
+    assert find(texts, r"^largest difference between the script's weights and the notebook's: 0\.0$")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["digits_out", "train_digits.py", "train_digits.slurm"]
 
 
 def test_03_fallbacks_prints_each_decision() -> None:

@@ -77,7 +77,7 @@ def test_the_package_has_no_import_cycle() -> None:
 
 
 def test_plan_and_runtime_import_nothing_of_ipython_or_the_launcher() -> None:
-    for name in ("accel_magic.plan", "accel_magic.runtime", "accel_magic.cell"):
+    for name in ("accel_magic.plan", "accel_magic.runtime", "accel_magic.cell", "accel_magic.export"):
         text = MODULES[name].read_text()
         assert not re.search(r"^\s*(from|import) (IPython|ipykernel|ipywidgets)", text, re.M), name
         assert not {m for m in package_imports(name) if m.startswith("accel_magic.launch")}, name

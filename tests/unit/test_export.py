@@ -1,0 +1,356 @@
+"""export.py: the names a cell needs, the earlier cells that define them, magics as Python, and the script,
+SLURM file and commands it writes."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from accel_magic.export import (
+    ExportError,
+    Settings,
+    commands,
+    export_training_cell,
+    last_training_cell,
+    needed_names,
+    script_paths,
+)
+
+
+def transform(raw: str) -> str:
+    """What IPython's transform_cell makes of the magics these tests use (checked against the real one in
+    tests/shell/test_export_magic.py)."""
+    lines = raw.split("\n")
+    if lines[0].startswith("%%"):
+        name, _, options = lines[0][2:].partition(" ")
+        return f"get_ipython().run_cell_magic({name!r}, {options!r}, {chr(10).join(lines[1:]) + chr(10)!r})\n"
+    out = []
+    for line in lines:
+        indent = line[: len(line) - len(line.lstrip())]
+        body = line.strip()
+        assign = re.match(r"^(\w+) = ([%!])(.*)$", body)
+        if assign:
+            target, sign, rest = assign.groups()
+            call = f"get_ipython().getoutput({rest!r})" if sign == "!" else _call(sign, rest)
+            out.append(f"{indent}{target} = {call}")
+        elif body[:1] in ("%", "!"):
+            out.append(indent + _call(body[0], body[1:]))
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
+def _call(sign: str, rest: str) -> str:
+    if sign == "!":
+        return f"get_ipython().system({rest!r})"
+    name, _, args = rest.partition(" ")
+    return f"get_ipython().run_line_magic({name!r}, {args!r})"
+
+
+def needed(source: str) -> set[str]:
+    return set(needed_names(ast.parse(source)).needed)
+
+
+def export(*cells: str, settings: Settings | None = None, tmp: Path | None = None, **kwargs):
+    history = list(enumerate(cells, start=1))
+    found = last_training_cell(history)
+    assert found is not None
+    script = str((tmp or Path("/tmp")) / "train.py")
+    return export_training_cell(history, transform, found[0], settings or Settings(), script=script, **kwargs)
+
+
+def taken(result) -> list[int]:
+    return [count for count, _ in result.cells]
+
+
+# --- the names a cell needs ---
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("x = y + 1", {"y"}),
+        ("x = 1\ny = x", set()),
+        ("x = x + 1", {"x"}),
+        ("x += 1", {"x"}),
+        ("total = 0\ntotal += 1", set()),
+        ("n: int = m", {"m", "int"}),
+        ("(a := b) + a", {"b"}),
+        ("for i in items:\n    last = i\nprint(last)", {"items", "print"}),
+        ("for x, y in dl:\n    loss = f(x, y)\nloss.item()", {"dl", "f"}),
+        ("while go():\n    step = 1", {"go"}),
+        ("def f(a):\n    return a + model(b)", {"model", "b"}),
+        ("def f():\n    return helper()\ndef helper():\n    return 1", set()),
+        ("def f(a=default):\n    pass", {"default"}),
+        ("@deco\ndef f():\n    pass", {"deco"}),
+        ("g = lambda v: v * scale", {"scale"}),
+        ("class C(Base):\n    size = n\n    def m(self):\n        return size", {"Base", "n", "size"}),
+        ("class C:\n    def m(self):\n        return C()", set()),
+        ("sq = [v * k for v in values]", {"values", "k"}),
+        ("sq = {v: w for v, w in pairs if v}", {"pairs"}),
+        ("[v for v in range(3)]\nv", {"range", "v"}),
+        ("import torch.nn as nn\nimport os.path\nnn, os", set()),
+        ("from torch import nn\nnn", set()),
+        ("try:\n    pass\nexcept ValueError as err:\n    print(err)", {"ValueError", "print"}),
+        ("with open(p) as fh:\n    fh.read()", {"open", "p"}),
+        ("if c:\n    z = 1\nelse:\n    w = z", {"c", "z"}),
+        ("del gone", {"gone"}),
+        ("match cmd:\n    case [a, *rest]:\n        a, rest\n    case {'k': v, **others}:\n        v, others", {"cmd"}),
+        ("obj.attr = value\nitems[key] = 1", {"obj", "value", "items", "key"}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_a_cell_needs_what_it_loads_before_binding_it(source: str, expected: set[str]) -> None:
+    assert needed(source) == expected
+
+
+def test_needed_names_keep_the_line_of_the_first_use() -> None:
+    names = needed_names(ast.parse("a = 1\n\nb = c + a\nc = 2\nc"))
+    assert names.needed == {"c": 3}
+    assert names.bound >= {"a", "b", "c"}
+    made = needed_names(ast.parse("def setup():\n    global made\n    made = 1\nsetup()\nmade"))
+    assert "made" in made.bound  # so, with no earlier cell binding it, it is the cell's own
+
+
+# --- which cells are taken ---
+
+
+def test_the_last_training_cell_is_found_by_its_first_non_blank_line() -> None:
+    history = [(1, "%%accel_train -n 2\nx = 1"), (2, "print(1)"), (3, "\n  %%accel_train --cpu\ny = 2"), (4, "z")]
+    assert last_training_cell(history) == (3, "--cpu")
+    assert last_training_cell([(1, "x = 1"), (2, "# %%accel_train\nx")]) is None
+
+
+def test_cells_defining_what_the_training_cell_uses_are_taken_transitively_in_order(tmp_path: Path) -> None:
+    result = export(
+        "import torch",  # [1] used by [3]
+        "print(torch.__version__)",  # [2] displays only
+        "size = 4\nmodel = torch.nn.Linear(size, 1)",  # [3] used by [5]
+        "unused = 5",  # [4]
+        "%%accel_train -n 2\nmodel = accelerator.prepare(model)\nprint(model)",
+        tmp=tmp_path,
+    )
+    assert taken(result) == [1, 3, 5]
+    reasons = dict(result.cells)
+    assert reasons[1] == "defines torch (used by [3])"
+    assert reasons[3] == "defines model (used by [5])"
+    assert reasons[5] == "the %%accel_train cell"
+
+
+def test_the_latest_earlier_definition_wins_and_later_cells_are_ignored(tmp_path: Path) -> None:
+    result = export("lr = 0.1", "lr = 0.01", "%%accel_train\nstep = lr", "lr = 5", tmp=tmp_path)
+    assert taken(result) == [2, 3]
+    assert "lr = 0.01" in result.script and "lr = 0.1\n" not in result.script and "lr = 5" not in result.script
+
+
+def test_a_redefinition_that_uses_the_old_value_takes_both_cells(tmp_path: Path) -> None:
+    result = export("lr = 0.1", "lr = lr / 10", "%%accel_train\nstep = lr", tmp=tmp_path)
+    assert taken(result) == [1, 2, 3]
+
+
+def test_an_earlier_training_cell_is_taken_as_its_body(tmp_path: Path) -> None:
+    result = export(
+        "def make():\n    return object()",
+        "model = make()",
+        "%%accel_train -n 2\nmodel = accelerator.prepare(model)\nepochs = 3",
+        "%%accel_train -n 2\nfor _ in range(epochs):\n    model.step()",
+        tmp=tmp_path,
+    )
+    assert taken(result) == [1, 2, 3, 4]
+    assert dict(result.cells)[3] == "an earlier %%accel_train cell; defines epochs, model (used by [4])"
+    assert not re.search(r"^\s*%%accel_train", result.script, re.M)
+    cell3 = result.script.index("# --- cell [3]")
+    assert result.script.index("_accel_as_in_notebook(globals(), _accel_prepared)", cell3) < result.script.index(
+        "# --- cell [4]"
+    )
+
+
+def test_a_name_no_earlier_cell_defines_is_named_with_the_cell(tmp_path: Path) -> None:
+    with pytest.raises(ExportError) as err:
+        export("x = 1", "%%accel_train\ny = x + foo + bar", tmp=tmp_path)
+    message = str(err.value)
+    assert message.startswith("Cell [2] uses `foo` and `bar`, which no earlier cell of this kernel defines:")
+    assert message.count(".") == 1 and "define them in a cell above it" in message
+    with pytest.raises(ExportError, match=r"^Cell \[1\] uses `helper`, which no earlier"):
+        export("model = helper()", "%%accel_train\nmodel.fit()", tmp=tmp_path)
+
+
+def test_a_name_bound_later_in_the_cell_itself_is_its_own(tmp_path: Path) -> None:
+    source = "%%accel_train\nfor i in range(3):\n    if i:\n        print(prev)\n    prev = i"
+    assert taken(export(source, tmp=tmp_path)) == [1]
+
+
+def test_ipython_history_names_and_get_ipython_are_refused_in_one_sentence(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"^Cell \[2\] uses `_`, IPython's input and output history"):
+        export("1 + 1", "%%accel_train\nx = _", tmp=tmp_path)
+    with pytest.raises(ExportError, match=r"^Cell \[1\] line 3 calls get_ipython\(\), which a script does not"):
+        export("%%accel_train\nx = 1\nget_ipython().user_ns", tmp=tmp_path)
+
+
+def test_display_comes_from_ipython_where_it_is_installed_else_print(tmp_path: Path) -> None:
+    result = export("%%accel_train\ndisplay(1)", tmp=tmp_path)
+    assert "from IPython.display import display\nexcept ImportError" in result.script
+    assert "IPython" not in export("%%accel_train\nprint(1)", tmp=tmp_path).script.split('"""', 2)[2]
+
+
+def test_a_star_import_stands_for_names_nothing_else_defines(tmp_path: Path) -> None:
+    assert taken(export("from math import *", "%%accel_train\nx = sqrt(2)", tmp=tmp_path)) == [1, 2]
+
+
+def test_the_accelerator_name_and_builtins_are_not_needed(tmp_path: Path) -> None:
+    result = export("%%accel_train\nacc.print(len([]))", settings=Settings(accelerator_name="acc"), tmp=tmp_path)
+    assert "\nacc = Accelerator(" in result.script and "acc.prepare to <output-dir>" in result.script
+
+
+# --- magics and ! lines ---
+
+
+def test_magics_with_a_python_equivalent_are_translated_in_place(tmp_path: Path) -> None:
+    setup = "\n".join(
+        [
+            "%load_ext autoreload",
+            "%cd ~/data",
+            "%env MODE=fast",
+            "%pip install -q tqdm",
+            "!echo hello  # keep this",
+            "files = !ls",
+            "%time data = load()",
+            "def load():",
+            "    return 1",
+        ]
+    )
+    result = export("def load():\n    return [1]", setup, "%%accel_train\nx = data, files", tmp=tmp_path)
+    body = result.script.split("# --- cell [2]")[1].split("# --- cell [3]")[0]
+    assert "pass  # %load_ext autoreload (not needed in a script)" in body
+    assert "os.chdir(os.path.expanduser('~/data'))" in body
+    assert "os.environ['MODE'] = 'fast'" in body
+    assert "subprocess.run([sys.executable, \"-m\", \"pip\", *['install', '-q', 'tqdm']], check=True)" in body
+    assert "subprocess.run('echo hello  # keep this', shell=True, check=True)" in body
+    assert "files = subprocess.run('ls', shell=True, check=True, stdout=subprocess.PIPE, text=True)" in body
+    assert "\ndata = load()" in body
+    assert "import argparse\nimport os\nimport subprocess\nimport sys\n" in result.script
+    assert taken(result) == [1, 2, 3]  # `load` at line 7 runs before the cell's own def: cell [1]'s
+
+
+def test_a_time_cell_magic_is_its_body(tmp_path: Path) -> None:
+    result = export("%%time\nimport torch\nmodel = torch.nn.Linear(2, 2)", "%%accel_train\nmodel", tmp=tmp_path)
+    assert taken(result) == [1, 2]
+    assert "import torch\nmodel = torch.nn.Linear(2, 2)" in result.script
+
+
+@pytest.mark.parametrize(
+    ("cell", "message"),
+    [
+        ("x = 1\n\n%who_ls", r"^Cell \[1\] line 3 uses %who_ls, which has no plain-Python equivalent: "),
+        ("x = 1\n!echo {x}", r"^Cell \[1\] line 2 uses `!echo \{x\}` with a Python expansion .*, which has no"),
+        ("x = 1\n!echo $x", r"^Cell \[1\] line 2 uses `!echo \$x` with a Python expansion"),
+        ("%%time\nx = 1\n%run other.py", r"^Cell \[1\] line 3 uses %run, which has no plain-Python equivalent"),
+    ],
+    ids=["other line magic", "brace expansion", "dollar expansion", "inside %%time"],
+)
+def test_magics_without_a_python_equivalent_are_refused_with_cell_and_line(cell: str, message: str,
+                                                                           tmp_path: Path) -> None:  # fmt: skip
+    with pytest.raises(ExportError, match=message) as err:
+        export(cell, "%%accel_train\ny = x", tmp=tmp_path)
+    assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")
+
+
+def test_a_training_cell_magic_is_refused_with_its_line_in_the_cell(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"^Cell \[1\] line 3 uses %debug"):
+        export("%%accel_train -n 2\nx = 1\n%debug", tmp=tmp_path)
+    with pytest.raises(ExportError, match=r"^Cell \[1\] line 2 uses %%bash, which has no plain-Python equivalent"):
+        export("%%accel_train -n 2\n%%bash\necho hi", tmp=tmp_path)
+
+
+def test_cells_that_are_not_taken_may_hold_any_magic(tmp_path: Path) -> None:
+    result = export("%matplotlib inline\n%who", "!nvidia-smi {x}", "%%bash\nls", "%%accel_train\nx = 1", tmp=tmp_path)
+    assert taken(result) == [4]
+    assert "$HOME" not in result.script
+    assert taken(export("!echo $HOME", "%%accel_train\nx = 1", tmp=tmp_path)) == [2]
+
+
+def test_a_shell_variable_that_is_not_a_python_name_goes_to_the_shell(tmp_path: Path) -> None:
+    result = export("!echo $HOME\nx = 1", "%%accel_train\ny = x", tmp=tmp_path)
+    assert "subprocess.run('echo $HOME', shell=True, check=True)" in result.script
+
+
+# --- the script, the commands and the SLURM file ---
+
+
+def test_the_script_compiles_and_its_header_lists_the_cells_and_commands(tmp_path: Path) -> None:
+    result = export("import torch", "model = torch.nn.Linear(2, 2)", "%%accel_train -n 2\nm = accelerator.prepare(model)",
+                    settings=Settings(num_processes=2), tmp=tmp_path)  # fmt: skip
+    compile(result.script, "train.py", "exec")
+    header = ast.get_docstring(ast.parse(result.script)) or ""
+    assert "[1] defines torch (used by [2])" in header and "[2] defines model (used by [3])" in header
+    for command in result.commands:
+        assert command in header
+    assert "accel_magic" not in result.script.split('"""', 2)[2]
+    imports = {n.names[0].name.split(".")[0] for n in ast.walk(ast.parse(result.script)) if isinstance(n, ast.Import)}
+    imports |= {n.module.split(".")[0] for n in ast.walk(ast.parse(result.script)) if isinstance(n, ast.ImportFrom)}
+    assert imports <= {"argparse", "datetime", "accelerate", "torch", "os", "sys"}
+    assert 'cpu=True,\n    mixed_precision="no",\n' in result.script and "timedelta(seconds=900)" in result.script
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        (Settings(num_processes=2), "accelerate launch --multi_gpu --num_processes 2 train.py --output-dir OUT"),
+        (Settings(num_processes=1), "accelerate launch --cpu --num_processes 1 train.py --output-dir OUT"),
+        (
+            Settings(num_processes=4, cpu=False, mixed_precision="bf16", gpus=True),
+            "accelerate launch --multi_gpu --num_processes 4 --mixed_precision bf16 train.py --output-dir OUT",
+        ),
+        (
+            Settings(num_processes=1, cpu=False, mixed_precision="fp16"),
+            "accelerate launch --num_processes 1 --mixed_precision fp16 train.py --output-dir OUT",
+        ),
+    ],
+    ids=["two CPU processes", "one CPU process", "four GPUs in bf16", "one GPU in fp16"],
+)
+def test_commands_follow_the_plan(settings: Settings, expected: str) -> None:
+    accelerate, torchrun, python, sbatch = commands("train.py", "train.slurm", settings, output="OUT")
+    assert accelerate == expected
+    assert torchrun == f"torchrun --nproc-per-node {settings.num_processes} train.py --output-dir OUT"
+    assert python == "python train.py --output-dir OUT" and sbatch == "sbatch train.slurm"
+
+
+def test_the_script_builds_the_accelerator_from_the_plan(tmp_path: Path) -> None:
+    settings = Settings(num_processes=2, cpu=False, mixed_precision="bf16", timeout=60, gpus=True)
+    result = export("%%accel_train\nx = 1", settings=settings, tmp=tmp_path)
+    assert 'cpu=False,\n    mixed_precision="bf16",\n' in result.script
+    assert "InitProcessGroupKwargs(timeout=timedelta(seconds=60))" in result.script
+    assert "#SBATCH --gpus-per-node=2" in result.slurm
+
+
+def test_the_slurm_file_passes_bash_n_and_runs_torchrun_with_c10d_on_the_first_node(tmp_path: Path) -> None:
+    result = export("%%accel_train -n 2\nx = 1", settings=Settings(num_processes=3), port=29600, tmp=tmp_path)
+    result.write()
+    slurm = Path(result.slurm_path)
+    assert slurm.name == "train.slurm" and Path(result.script_path).read_text() == result.script
+    subprocess.run(["bash", "-n", str(slurm)], check=True, timeout=30)
+    text = slurm.read_text()
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n" in text and "--gpus-per-node" not in text
+    assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
+    command = " ".join(text.split("srun ", 1)[1].replace("\\\n", " ").split())
+    assert command.startswith(
+        'torchrun --nnodes "$SLURM_NNODES" --nproc-per-node 3 --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d '
+        f'--rdzv-endpoint "$head_node:29600" {tmp_path}/train.py --output-dir accel_export_output'
+    )
+
+
+def test_paths_that_cannot_be_written_are_refused_in_one_sentence(tmp_path: Path) -> None:
+    (tmp_path / "folder.py").mkdir()
+    for path, message in [
+        (tmp_path / "train.txt", "is not a .py file: give the script a name ending in .py"),
+        (tmp_path / "folder.py", "is a folder: give the path of the script to write"),
+        (tmp_path / "missing" / "train.py", "does not exist: create it first, or write elsewhere"),
+    ]:
+        with pytest.raises(ExportError, match=message) as err:
+            script_paths(str(path))
+        assert str(err.value).count(": ") == 1 and str(err.value).endswith(".")
+    assert script_paths(str(tmp_path / "t.py")) == (str(tmp_path / "t.py"), str(tmp_path / "t.slurm"))
