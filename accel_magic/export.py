@@ -431,22 +431,19 @@ class Names:
     """What a cell needs from the cells before it, and what it binds."""
 
     needed: dict[str, int]  # loaded before the cell binds them, with the line of the first such load
+    deferred: dict[str, int]  # used inside its functions and bound nowhere in them, with the first line
     bound: frozenset[str]  # everything the cell binds at top level, anywhere in it
     star: bool  # the cell has `from ... import *`
 
 
 def needed_names(tree: ast.Module) -> Names:
-    """The names a cell needs from earlier cells: loaded at a point where the cell has not bound them yet, or used
-    by its functions and bound nowhere in the cell."""
+    """The names a cell needs from other cells: loaded at top level where the cell has not bound them yet
+    (`needed`), or used by its functions (`deferred`, looked up when a function is called, so in any cell that ran
+    before the training cell)."""
     uses = _Uses()
     for stmt in tree.body:
         uses.visit(stmt)
-    bound = uses.module.bound | uses.global_bindings
-    needed = dict(uses.needed)
-    for name, line in uses.deferred.items():
-        if name not in bound:
-            needed.setdefault(name, line)
-    return Names(needed, frozenset(bound), uses.star)
+    return Names(uses.needed, uses.deferred, frozenset(uses.module.bound | uses.global_bindings), uses.star)
 
 
 # --- magics and ! lines as plain Python -----------------------------------------------------------------------
@@ -645,18 +642,20 @@ def _history_names(history: Sequence[tuple[int, str]], transform: Callable[[str]
     return frozenset(names)
 
 
+_Users = dict[str, set[int]]  # name -> the cells that use it
+
+
 def _plural(names: list[str]) -> str:
     quoted = [f"`{n}`" for n in names]
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
 
 
-def _resolve(
-    cells: list[_Cell], training: _Cell, accelerator_name: str
-) -> tuple[dict[int, dict[int, list[str]]], bool]:
-    """Which earlier cells the training cell depends on, followed transitively: for each name a cell needs, the
-    latest cell before it that binds it. Returns {cell: {the cell that uses it: names}} and whether `display` is
-    used without a cell that defines it."""
-    used: dict[int, dict[int, list[str]]] = {training.count: {}}
+def _resolve(cells: list[_Cell], training: _Cell, accelerator_name: str) -> tuple[dict[int, _Users], bool]:
+    """Which cells before the training cell it depends on, followed transitively: for each name a cell needs at
+    top level, the latest cell before it that binds it; for each name its functions use, the latest cell before the
+    training cell that binds it (a function looks its names up when called). Returns {cell: {name: the cells that
+    use it}} and whether `display` is used without a cell that defines it."""
+    used: dict[int, _Users] = {training.count: {}}
     queue, display, seen = [training], False, {training.count}
     while queue:
         cell = queue.pop(0)
@@ -664,14 +663,17 @@ def _resolve(
             raise cell.error
         missing, history = [], []
         earlier = [c for c in cells if c.count < cell.count]
-        for name, line in cell.names.needed.items():
+        wanted = [(name, line, earlier) for name, line in cell.names.needed.items()]
+        wanted += [(name, line, cells) for name, line in cell.names.deferred.items()
+                   if not (cell is training and name in cell.binds)]  # fmt: skip
+        for name, line, before in wanted:
             if name in BUILTINS or name == accelerator_name or name in cell.needs:
                 continue
-            definer = next((c for c in reversed(earlier) if name in c.binds), None)
+            definer = next((c for c in reversed(before) if name in c.binds), None)
             if definer is None and name in cell.names.bound:
                 continue  # bound later in the cell itself (a loop, a branch): its own
             if definer is None:
-                definer = next((c for c in reversed(earlier) if c.names.star), None)
+                definer = next((c for c in reversed(before) if c.names.star), None)
             if definer is None:
                 if name == "display":
                     display = True
@@ -685,7 +687,9 @@ def _resolve(
                 else:
                     missing.append(name)
                 continue
-            used.setdefault(definer.count, {}).setdefault(cell.count, []).append(name)
+            if definer is cell:
+                continue  # a function of the cell uses what the cell itself binds
+            used.setdefault(definer.count, {}).setdefault(name, set()).add(cell.count)
             if definer.count not in seen:
                 seen.add(definer.count)
                 queue.append(definer)
@@ -703,17 +707,13 @@ def _resolve(
     return used, display
 
 
-def _why(cell: _Cell, users: dict[int, list[str]], training: int) -> str:
+def _why(cell: _Cell, users: _Users, training: int) -> str:
     """ "defines model, opt (used by [7]); X (used by [5], [7])": names grouped by the cells that use them."""
     if cell.count == training:
         return "the %%accel_train cell"
-    by_name: dict[str, list[int]] = {}
-    for user, names in sorted(users.items()):
-        for name in names:
-            by_name.setdefault(name, []).append(user)
     groups: dict[tuple[int, ...], list[str]] = {}
-    for name, cells in sorted(by_name.items()):
-        groups.setdefault(tuple(cells), []).append(name)
+    for name, cells in sorted(users.items()):
+        groups.setdefault(tuple(sorted(cells)), []).append(name)
     uses = "; ".join(
         f"{', '.join(names)} (used by {', '.join(f'[{c}]' for c in cells)})" for cells, names in groups.items()
     )

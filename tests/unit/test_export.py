@@ -83,12 +83,12 @@ def taken(result) -> list[int]:
         ("for i in items:\n    last = i\nprint(last)", {"items", "print"}),
         ("for x, y in dl:\n    loss = f(x, y)\nloss.item()", {"dl", "f"}),
         ("while go():\n    step = 1", {"go"}),
-        ("def f(a):\n    return a + model(b)", {"model", "b"}),
+        ("def f(a):\n    return a + model(b)", set()),
         ("def f():\n    return helper()\ndef helper():\n    return 1", set()),
         ("def f(a=default):\n    pass", {"default"}),
         ("@deco\ndef f():\n    pass", {"deco"}),
-        ("g = lambda v: v * scale", {"scale"}),
-        ("class C(Base):\n    size = n\n    def m(self):\n        return size", {"Base", "n", "size"}),
+        ("g = lambda v: v * scale", set()),
+        ("class C(Base):\n    size = n\n    def m(self):\n        return size", {"Base", "n"}),
         ("class C:\n    def m(self):\n        return C()", set()),
         ("sq = [v * k for v in values]", {"values", "k"}),
         ("sq = {v: w for v, w in pairs if v}", {"pairs"}),
@@ -106,6 +106,21 @@ def taken(result) -> list[int]:
 )
 def test_a_cell_needs_what_it_loads_before_binding_it(source: str, expected: set[str]) -> None:
     assert needed(source) == expected
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("def f(a):\n    return a + model(b)", {"model", "b"}),
+        ("def f():\n    return helper()\ndef helper():\n    return 1", {"helper"}),
+        ("g = lambda v: v * scale", {"scale"}),
+        ("class C(Base):\n    size = n\n    def m(self):\n        return size", {"size"}),
+        ("class C:\n    def m(self):\n        x = 1\n        return x, C", {"C"}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_names_used_inside_functions_are_deferred_to_when_they_are_called(source: str, expected: set[str]) -> None:
+    assert set(needed_names(ast.parse(source)).deferred) == expected
 
 
 def test_needed_names_keep_the_line_of_the_first_use() -> None:
@@ -167,6 +182,24 @@ def test_an_earlier_training_cell_is_taken_as_its_body(tmp_path: Path) -> None:
     assert result.script.index("_accel_as_in_notebook(globals(), _accel_prepared)", cell3) < result.script.index(
         "# --- cell [4]"
     )
+
+
+def test_a_function_finds_a_name_defined_after_it_but_before_the_training_cell(tmp_path: Path) -> None:
+    result = export("def step():\n    return loss_fn()", "def loss_fn():\n    return 0", "%%accel_train\nstep()",
+                    tmp=tmp_path)  # fmt: skip
+    assert taken(result) == [1, 2, 3]
+    assert dict(result.cells)[2] == "defines loss_fn (used by [1])"
+
+
+def test_a_function_uses_the_latest_definition_before_the_training_cell(tmp_path: Path) -> None:
+    cells = ["def loss_fn():\n    return 0", "def step():\n    return loss_fn()", "def loss_fn():\n    return 1"]
+    result = export(*cells, "x = 2", "%%accel_train\nstep()", tmp=tmp_path)
+    assert taken(result) == [2, 3, 5]
+    assert "return 0" not in result.script
+    chain = export("def a():\n    return b()", "def b():\n    return c", "c = 1", "%%accel_train\na()", tmp=tmp_path)
+    assert taken(chain) == [1, 2, 3, 4]  # followed transitively
+    own = export("lr = 5", "%%accel_train\ndef f():\n    return lr\nlr = 1\nf()", tmp=tmp_path)
+    assert taken(own) == [2]  # the training cell's own binding
 
 
 def test_a_name_no_earlier_cell_defines_is_named_with_the_cell(tmp_path: Path) -> None:
