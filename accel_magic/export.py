@@ -204,6 +204,7 @@ class _Uses(ast.NodeVisitor):
         self.scope = self.module
         self.needed: dict[str, int] = {}
         self.deferred: dict[str, int] = {}
+        self.mutated: set[str] = set()  # names from other cells whose objects its top-level code changes
         self.global_bindings: set[str] = set()  # assigned by functions through `global`
         self.star = False
 
@@ -227,6 +228,29 @@ class _Uses(ast.NodeVisitor):
         if scope.kind != "function":
             scope.bound.add(name)
 
+    def mutate(self, node: ast.expr) -> None:
+        """`node` (n.a.f's `n.a`, or an assignment target n.a / n[k]) changes the object its root name holds."""
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        if not isinstance(node, ast.Name):
+            return
+        scope = self.scope
+        while scope is not self.module:
+            if scope.kind == "function" or node.id in scope.bound:
+                return
+            scope = scope.parent
+        if node.id not in self.module.bound:
+            self.mutated.add(node.id)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if isinstance(node.func, ast.Attribute):
+            self.mutate(node.func.value)
+        self.generic_visit(node)
+
+    def visit_Delete(self, node: ast.Delete) -> None:
+        for target in node.targets:
+            self._target(target)
+
     def visit_Name(self, node: ast.Name) -> None:
         if isinstance(node.ctx, ast.Store):
             self.store(node.id)
@@ -234,7 +258,10 @@ class _Uses(ast.NodeVisitor):
             self.load(node.id, node.lineno)
 
     def _target(self, node: ast.AST) -> None:
-        """An assignment target: subscripts and attributes load their objects; names bind."""
+        """An assignment target: subscripts and attributes load their objects and change them; names bind."""
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.Attribute, ast.Subscript)) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+                self.mutate(sub)
         self.visit(node)
 
     # statements, in the order Python evaluates them
@@ -434,6 +461,7 @@ class Names:
     deferred: dict[str, int]  # used inside its functions and bound nowhere in them, with the first line
     bound: frozenset[str]  # everything the cell binds at top level, anywhere in it
     star: bool  # the cell has `from ... import *`
+    mutated: frozenset[str] = frozenset()  # needed names whose objects it changes: n.f(...), n.a = v, n[k] = v, del n.a
 
 
 def needed_names(tree: ast.Module) -> Names:
@@ -443,7 +471,8 @@ def needed_names(tree: ast.Module) -> Names:
     uses = _Uses()
     for stmt in tree.body:
         uses.visit(stmt)
-    return Names(uses.needed, uses.deferred, frozenset(uses.module.bound | uses.global_bindings), uses.star)
+    bound = frozenset(uses.module.bound | uses.global_bindings)
+    return Names(uses.needed, uses.deferred, bound, uses.star, frozenset(uses.mutated))
 
 
 # --- magics and ! lines as plain Python -----------------------------------------------------------------------
@@ -653,10 +682,18 @@ def _plural(names: list[str]) -> str:
 def _resolve(cells: list[_Cell], training: _Cell, accelerator_name: str) -> tuple[dict[int, _Users], bool]:
     """Which cells before the training cell it depends on, followed transitively: for each name a cell needs at
     top level, the latest cell before it that binds it; for each name its functions use, the latest cell before the
-    training cell that binds it (a function looks its names up when called). Returns {cell: {name: the cells that
-    use it}} and whether `display` is used without a cell that defines it."""
-    used: dict[int, _Users] = {training.count: {}}
+    training cell that binds it (a function looks its names up when called); and every cell between that one and the
+    training cell that changes the object the name holds (a seed, loaded weights). Returns {cell: {"defines" or
+    "changes": {name: the cells that use it}}} and whether `display` is used without a cell that defines it."""
+    used: dict[int, dict[str, _Users]] = {training.count: {}}
     queue, display, seen = [training], False, {training.count}
+
+    def take(taken: _Cell, verb: str, name: str, user: _Cell) -> None:
+        used.setdefault(taken.count, {}).setdefault(verb, {}).setdefault(name, set()).add(user.count)
+        if taken.count not in seen:
+            seen.add(taken.count)
+            queue.append(taken)
+
     while queue:
         cell = queue.pop(0)
         if cell.error is not None:
@@ -687,12 +724,11 @@ def _resolve(cells: list[_Cell], training: _Cell, accelerator_name: str) -> tupl
                 else:
                     missing.append(name)
                 continue
-            if definer is cell:
-                continue  # a function of the cell uses what the cell itself binds
-            used.setdefault(definer.count, {}).setdefault(name, set()).add(cell.count)
-            if definer.count not in seen:
-                seen.add(definer.count)
-                queue.append(definer)
+            if definer is not cell:  # else a function of the cell uses what the cell itself binds
+                take(definer, "defines", name, cell)
+            for changer in cells:
+                if definer.count < changer.count and changer is not cell and name in changer.names.mutated:
+                    take(changer, "changes", name, cell)
         if history:
             raise ExportError(
                 f"Cell [{cell.count}] uses {_plural(history)}, IPython's input and output history, which a script "
@@ -707,17 +743,20 @@ def _resolve(cells: list[_Cell], training: _Cell, accelerator_name: str) -> tupl
     return used, display
 
 
-def _why(cell: _Cell, users: _Users, training: int) -> str:
-    """ "defines model, opt (used by [7]); X (used by [5], [7])": names grouped by the cells that use them."""
+def _why(cell: _Cell, uses: dict[str, _Users], training: int) -> str:
+    """ "defines model, opt (used by [7]); X (used by [5], [7]); changes torch (used by [7])": names grouped by
+    the cells that use them."""
     if cell.count == training:
         return "the %%accel_train cell"
-    groups: dict[tuple[int, ...], list[str]] = {}
-    for name, cells in sorted(users.items()):
-        groups.setdefault(tuple(sorted(cells)), []).append(name)
-    uses = "; ".join(
-        f"{', '.join(names)} (used by {', '.join(f'[{c}]' for c in cells)})" for cells, names in groups.items()
-    )
-    return ("an earlier %%accel_train cell; " if cell.training else "") + f"defines {uses}"
+    parts = ["an earlier %%accel_train cell"] if cell.training else []
+    for verb in ("defines", "changes"):
+        groups: dict[tuple[int, ...], list[str]] = {}
+        for name, users in sorted(uses.get(verb, {}).items()):
+            groups.setdefault(tuple(sorted(users)), []).append(name)
+        named = [f"{', '.join(names)} (used by {', '.join(f'[{c}]' for c in by)})" for by, names in groups.items()]
+        if named:
+            parts.append(f"{verb} {'; '.join(named)}")
+    return "; ".join(parts)
 
 
 # --- the script, the SLURM file and the commands ----------------------------------------------------------------

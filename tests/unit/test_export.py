@@ -123,6 +123,26 @@ def test_names_used_inside_functions_are_deferred_to_when_they_are_called(source
     assert set(needed_names(ast.parse(source)).deferred) == expected
 
 
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("torch.manual_seed(0)", {"torch"}),
+        ("_ = torch.random.manual_seed(0)", {"torch"}),
+        ("model.load_state_dict(state)", {"model"}),
+        ('opt.param_groups[0]["lr"] = 0.5', {"opt"}),
+        ("model.steps += 1\ndel cache.entry\nitems[0] = 1", {"model", "cache", "items"}),
+        ("for m in models:\n    m.reset()", set()),
+        ("print(model)\nmodel(x)\nf(model)\nx = model.weight", set()),
+        ("data = []\ndata.append(1)", set()),
+        ("def f():\n    model.reset()\ng = lambda: torch.manual_seed(1)", set()),
+        ("[m.reset() for m in models]", set()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_a_cell_changes_objects_of_other_cells_through_calls_and_assignments(source: str, expected: set[str]) -> None:
+    assert needed_names(ast.parse(source)).mutated == expected
+
+
 def test_needed_names_keep_the_line_of_the_first_use() -> None:
     names = needed_names(ast.parse("a = 1\n\nb = c + a\nc = 2\nc"))
     assert names.needed == {"c": 3}
@@ -200,6 +220,31 @@ def test_a_function_uses_the_latest_definition_before_the_training_cell(tmp_path
     assert taken(chain) == [1, 2, 3, 4]  # followed transitively
     own = export("lr = 5", "%%accel_train\ndef f():\n    return lr\nlr = 1\nf()", tmp=tmp_path)
     assert taken(own) == [2]  # the training cell's own binding
+
+
+def test_cells_that_change_a_used_object_without_rebinding_it_are_taken(tmp_path: Path) -> None:
+    result = export(
+        "import torch",  # [1]
+        "torch.manual_seed(0)",  # [2] the seed
+        "print(torch.__version__)",  # [3] displays only
+        "state = {}",  # [4] used by [6]
+        "model = torch.nn.Linear(2, 2)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)",  # [5]
+        "model.load_state_dict(state)",  # [6]
+        'opt.param_groups[0]["lr"] = 0.5',  # [7]
+        "%%accel_train\nmodel, opt = accelerator.prepare(model, opt)",
+        tmp=tmp_path,
+    )
+    assert taken(result) == [1, 2, 4, 5, 6, 7, 8]
+    reasons = dict(result.cells)
+    assert reasons[2] == "changes torch (used by [5])"
+    assert reasons[6] == "changes model (used by [8])"
+    assert reasons[7] == "changes opt (used by [8])"
+    assert reasons[4] == "defines state (used by [6])"
+
+
+def test_a_change_before_the_name_is_bound_again_is_left_out(tmp_path: Path) -> None:
+    result = export("x = []", "x.append(1)", "x = [2]", "x.append(3)", "%%accel_train\ny = x", tmp=tmp_path)
+    assert taken(result) == [3, 4, 5]
 
 
 def test_a_name_no_earlier_cell_defines_is_named_with_the_cell(tmp_path: Path) -> None:
