@@ -820,20 +820,27 @@ def _accel_environment(num_processes):
 
 
 def _accel_record(accelerator):
-    """accelerator.prepare and register_for_checkpointing, remembering what they were given and returned."""
+    """accelerator.prepare, its prepare_model/_optimizer/_scheduler and register_for_checkpointing, remembering what
+    they were given and returned (prepare calls the others: a pair may be recorded twice)."""
     prepared, registered = [], []
-    prepare, register = accelerator.prepare, accelerator.register_for_checkpointing
 
-    def recorded_prepare(*objects, **kwargs):
-        result = prepare(*objects, **kwargs)
-        prepared.extend(zip(objects, result if isinstance(result, tuple) else (result,)))
-        return result
+    def recorded(prepare):
+        def wrapper(*objects, **kwargs):
+            result = prepare(*objects, **kwargs)
+            prepared.extend(zip(objects, result if isinstance(result, tuple) else (result,)))
+            return result
+
+        return wrapper
+
+    for method in ("prepare", "prepare_model", "prepare_optimizer", "prepare_scheduler"):
+        setattr(accelerator, method, recorded(getattr(accelerator, method)))
+    register = accelerator.register_for_checkpointing
 
     def recorded_register(*objects):
         registered.extend(objects)
         return register(*objects)
 
-    accelerator.prepare, accelerator.register_for_checkpointing = recorded_prepare, recorded_register
+    accelerator.register_for_checkpointing = recorded_register
     return prepared, registered
 
 
@@ -850,6 +857,7 @@ def _accel_save(accelerator, namespace, prepared, registered, output_dir):
     back: models through accelerator.get_state_dict on every process (a collective under FSDP and DeepSpeed),
     the files from the main process."""
     import os
+    import sys
 
     import torch
     from torch.utils.data import DataLoader
@@ -868,7 +876,14 @@ def _accel_save(accelerator, namespace, prepared, registered, output_dir):
                 states[name] = accelerator.get_state_dict(returned)
             else:
                 states[name] = returned.state_dict()
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and not states:
+        print(
+            "warning: no model, optimizer or scheduler that went through the accelerator's prepare is bound to a name "
+            "at the end of the script, so nothing was saved: keep what prepare returns in a name, such as "
+            "`model = accelerator.prepare(model)`.",
+            file=sys.stderr,
+        )
+    elif accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
         for name, state in states.items():
             path = os.path.join(output_dir, f"{name}.pt")
@@ -899,7 +914,8 @@ Run it with one of (the last one submits the SLURM batch file written next to it
 {_docstring_text(run_lines)}
 
 The main process writes the trained state of every model, optimizer and scheduler that went through
-{name}.prepare to <output-dir>/<name>.pt; read it with torch.load(path, map_location="cpu").
+{name}.prepare (or prepare_model, prepare_optimizer, prepare_scheduler) to <output-dir>/<name>.pt; read it with
+torch.load(path, map_location="cpu").
 """
 '''
     imports = "import argparse\n" + "".join(f"import {module}\n" for module in sorted(needs))

@@ -281,7 +281,7 @@ def test_a_star_import_stands_for_names_nothing_else_defines(tmp_path: Path) -> 
 
 def test_the_accelerator_name_and_builtins_are_not_needed(tmp_path: Path) -> None:
     result = export("%%accel_train\nacc.print(len([]))", settings=Settings(accelerator_name="acc"), tmp=tmp_path)
-    assert "\nacc = Accelerator(" in result.script and "acc.prepare to <output-dir>" in result.script
+    assert "\nacc = Accelerator(" in result.script and "acc.prepare (or prepare_model" in result.script
 
 
 # --- magics and ! lines ---
@@ -419,6 +419,61 @@ def test_the_slurm_file_passes_bash_n_and_runs_torchrun_with_c10d_on_the_first_n
         'torchrun --nnodes "$SLURM_NNODES" --nproc-per-node 3 --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d '
         f'--rdzv-endpoint "$head_node:29600" {tmp_path}/train.py --output-dir accel_export_output'
     )
+
+
+class _Accelerator:
+    """What the script's helpers call on an Accelerator, on one process."""
+
+    is_main_process = True
+
+    def prepare(self, *objects):
+        return objects if len(objects) > 1 else objects[0]
+
+    def prepare_model(self, model, device_placement=None):
+        return model
+
+    prepare_optimizer = prepare_scheduler = prepare_model
+
+    def register_for_checkpointing(self, *objects):
+        pass
+
+    def wait_for_everyone(self):
+        pass
+
+    def get_state_dict(self, model):
+        return model.state_dict()
+
+
+def helpers(script: str) -> dict:
+    """The script's own functions (_accel_record, _accel_save, ...), defined apart from the rest of it."""
+    tree = ast.parse(script)
+    tree.body = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_accel_")]
+    namespace: dict = {}
+    exec(compile(tree, "train.py", "exec"), namespace)
+    return namespace
+
+
+def test_models_optimizers_and_schedulers_prepared_one_at_a_time_are_saved(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    script = helpers(export("%%accel_train\nx = 1", tmp=tmp_path).script)
+    accelerator = _Accelerator()
+    prepared, registered = script["_accel_record"](accelerator)
+    model = accelerator.prepare_model(torch.nn.Linear(2, 1))
+    opt = accelerator.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    sched = accelerator.prepare_scheduler(torch.optim.lr_scheduler.StepLR(opt, 1))
+    script["_accel_save"](accelerator, {"model": model, "opt": opt, "sched": sched}, prepared, registered, tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["model.pt", "opt.pt", "sched.pt"]
+
+
+def test_the_script_warns_when_nothing_prepared_is_left_to_save(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("torch")
+    script = helpers(export("%%accel_train\nx = 1", tmp=tmp_path).script)
+    accelerator = _Accelerator()
+    prepared, registered = script["_accel_record"](accelerator)
+    script["_accel_save"](accelerator, {"x": accelerator.prepare(1)}, prepared, registered, tmp_path / "out")
+    err = capsys.readouterr().err
+    assert err.startswith("warning: no model, optimizer or scheduler") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
 
 
 def test_paths_that_cannot_be_written_are_refused_in_one_sentence(tmp_path: Path) -> None:
