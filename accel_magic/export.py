@@ -563,10 +563,11 @@ class _Translator:
             command = args[0]
             self.check_expansion(command, line, f"`!{command}`")
             self.needs.add("subprocess")
+            # As in IPython: a failing command does not stop the cell, and `x = !cmd` holds stdout and stderr.
             if method == "system":
-                return f"subprocess.run({command!r}, shell=True, check=True)"
-            captured = "stdout=subprocess.PIPE, text=True"
-            return f"subprocess.run({command!r}, shell=True, check=True, {captured}).stdout.splitlines()"
+                return f"subprocess.run({command!r}, shell=True)"
+            captured = "stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True"
+            return f"subprocess.run({command!r}, shell=True, {captured}).stdout.splitlines()"
         if method == "run_cell_magic":
             name, options, body = (args + ["", "", ""])[:3]
             if name not in _BODY_ONLY:

@@ -307,8 +307,11 @@ def test_magics_with_a_python_equivalent_are_translated_in_place(tmp_path: Path)
     assert "os.chdir(os.path.expanduser('~/data'))" in body
     assert "os.environ['MODE'] = 'fast'" in body
     assert "subprocess.run([sys.executable, \"-m\", \"pip\", *['install', '-q', 'tqdm']], check=True)" in body
-    assert "subprocess.run('echo hello  # keep this', shell=True, check=True)" in body
-    assert "files = subprocess.run('ls', shell=True, check=True, stdout=subprocess.PIPE, text=True)" in body
+    assert "\nsubprocess.run('echo hello  # keep this', shell=True)\n" in body
+    assert (
+        "files = subprocess.run('ls', shell=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)"
+        ".stdout.splitlines()\n" in body
+    )
     assert "\ndata = load()" in body
     assert "import argparse\nimport os\nimport subprocess\nimport sys\n" in result.script
     assert taken(result) == [1, 2, 3]  # `load` at line 7 runs before the cell's own def: cell [1]'s
@@ -353,7 +356,17 @@ def test_cells_that_are_not_taken_may_hold_any_magic(tmp_path: Path) -> None:
 
 def test_a_shell_variable_that_is_not_a_python_name_goes_to_the_shell(tmp_path: Path) -> None:
     result = export("!echo $HOME\nx = 1", "%%accel_train\ny = x", tmp=tmp_path)
-    assert "subprocess.run('echo $HOME', shell=True, check=True)" in result.script
+    assert "subprocess.run('echo $HOME', shell=True)\n" in result.script
+
+
+def test_shell_commands_run_as_in_ipython_a_failure_does_not_stop_and_output_holds_stderr(tmp_path: Path) -> None:
+    result = export(
+        "!exit 3\nlines = !echo out; echo err >&2\nafter = 1", "%%accel_train\nx = lines, after", tmp=tmp_path
+    )
+    cell = result.script.split("# --- cell [1]")[1].split("# --- cell [2]")[0].split("\n", 1)[1]
+    namespace: dict = {}
+    exec(compile("import subprocess\n" + cell, "cell", "exec"), namespace)
+    assert namespace["lines"] == ["out", "err"] and namespace["after"] == 1
 
 
 # --- the script, the commands and the SLURM file ---
