@@ -595,18 +595,14 @@ class _Translator:
                 self.needs.add("os")
                 return f"os.chdir(os.path.expanduser({words[0]!r}))"
             if name == "env":
-                pair = words[0].split("=", 1) if len(words) == 1 and "=" in words[0] else words
-                if len(pair) == 2:
+                # IPython's own split: at the first "=" if there is one, else at the first space; the value as is.
+                key, *value = [part.strip() for part in text.split("=" if "=" in text else " ", 1)]
+                if key and not any(c.isspace() for c in key):
                     self.needs.add("os")
-                    key, value = pair
-                    return (
-                        f"os.environ[{key!r}] = {value!r}"
-                        if statement
-                        else f"os.environ.setdefault({key!r}, {value!r})"
-                    )
-                if len(pair) == 1 and not statement:
-                    self.needs.add("os")
-                    return f"os.environ[{pair[0]!r}]"
+                    if not value:  # a read
+                        return f"os.environ[{key!r}]"
+                    set_key = f"os.environ[{key!r}] = {value[0]!r}"
+                    return set_key if statement else f"os.environ.__setitem__({key!r}, {value[0]!r})"
             if name == "pip" and words:
                 self.needs.update(("subprocess", "sys"))
                 return f'subprocess.run([sys.executable, "-m", "pip", *{words!r}], check=True)'

@@ -317,6 +317,29 @@ def test_magics_with_a_python_equivalent_are_translated_in_place(tmp_path: Path)
     assert taken(result) == [1, 2, 3]  # `load` at line 7 runs before the cell's own def: cell [1]'s
 
 
+@pytest.mark.parametrize(
+    ("line", "python"),
+    [
+        ("%env A=hello world", "os.environ['A'] = 'hello world'"),
+        ("%env A hello world", "os.environ['A'] = 'hello world'"),
+        ('%env A="quoted"', "os.environ['A'] = '\"quoted\"'"),
+        ("%env A=", "os.environ['A'] = ''"),
+        ("%env A", "os.environ['A']"),
+        ("x = %env A=1", "x = os.environ.__setitem__('A', '1')"),
+        ("x = %env A", "x = os.environ['A']"),
+    ],
+    ids=lambda v: v if v.startswith(("%", "x =")) else None,
+)
+def test_env_is_read_and_set_as_ipython_does(line: str, python: str, tmp_path: Path) -> None:
+    result = export(f"{line}\nz = 1", "%%accel_train\ny = z", tmp=tmp_path)
+    assert f"\n{python}\nz = 1\n" in result.script
+
+
+def test_env_with_a_space_in_the_name_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"^Cell \[1\] line 1 uses %env, which has no plain-Python equivalent"):
+        export("%env cmd_args A=B\nz = 1", "%%accel_train\ny = z", tmp=tmp_path)
+
+
 def test_a_time_cell_magic_is_its_body(tmp_path: Path) -> None:
     result = export("%%time\nimport torch\nmodel = torch.nn.Linear(2, 2)", "%%accel_train\nmodel", tmp=tmp_path)
     assert taken(result) == [1, 2]
