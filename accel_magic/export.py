@@ -76,6 +76,7 @@ class Settings:
     mixed_precision: str = "no"
     timeout: float = 900.0
     gpus: bool = False  # the plan trains on CUDA GPUs: the SLURM job asks for them
+    threads_per_process: int = 1  # on a CPU plan the SLURM job asks for num_processes * threads CPUs per node
     accelerator_name: str = "accelerator"
 
 
@@ -777,16 +778,28 @@ def commands(script: str, slurm: str, settings: Settings, output: str = DEFAULT_
 
 def slurm_script(script: str, settings: Settings, port: int, job: str, output: str = DEFAULT_OUTPUT) -> str:
     n = settings.num_processes
-    gpus = f"#SBATCH --gpus-per-node={n}\n" if settings.gpus else ""
+    cpus_for_srun = ""
+    if settings.gpus:
+        resources = f"#SBATCH --gpus-per-node={n}"
+    else:
+        cpus = max(n, n * settings.threads_per_process)
+        resources = (
+            f"#SBATCH --cpus-per-task={cpus}\n# {n} process(es) x {settings.threads_per_process} thread(s) per node, "
+            "as the notebook's plan has it: adjust\n# --cpus-per-task to the cores a node gives this job, at least "
+            "one per process."
+        )
+        cpus_for_srun = 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"  # srun does not pass it on by itself\n'
+
     return f"""#!/bin/bash
-#SBATCH --job-name={job}
+#SBATCH --job-name={shlex.quote(job)}
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
-{gpus}# Written by accel_magic's %accel_export with {script}: each node runs one torchrun, which starts {n} process(es)
+{resources}
+# Written by accel_magic's %accel_export with {script}: each node runs one torchrun, which starts {n} process(es)
 # there; the nodes meet through torch's c10d rendezvous on the job's first node, port {port}. Submit it from the
 # folder you exported from: sbatch <this file>. Change --nodes above to use more machines.
 set -euo pipefail
-
+{cpus_for_srun}
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 
 srun torchrun \\

@@ -349,6 +349,7 @@ class AccelMagics(Magics):
                 mixed_precision=plan.mixed_precision,
                 timeout=plan.timeout,
                 gpus=plan.device == "cuda",
+                threads_per_process=plan.threads_per_process,
                 accelerator_name=self.accelerator_name,
             )
             source = shell.user_ns.get("__vsc_ipynb_file__") or os.environ.get("JPY_SESSION_NAME") or "a notebook"

@@ -59,7 +59,7 @@ def export(*cells: str, settings: Settings | None = None, tmp: Path | None = Non
     history = list(enumerate(cells, start=1))
     found = last_training_cell(history)
     assert found is not None
-    script = str((tmp or Path("/tmp")) / "train.py")
+    script = str((tmp or Path("/tmp")) / kwargs.pop("script", "train.py"))
     return export_training_cell(history, transform, found[0], settings or Settings(), script=script, **kwargs)
 
 
@@ -450,7 +450,7 @@ def test_the_slurm_file_passes_bash_n_and_runs_torchrun_with_c10d_on_the_first_n
     text = slurm.read_text()
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n" in text and "--gpus-per-node" not in text
     assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
-    command = " ".join(text.split("srun ", 1)[1].replace("\\\n", " ").split())
+    command = " ".join(text.split("\nsrun ", 1)[1].replace("\\\n", " ").split())
     assert command.startswith(
         'torchrun --nnodes "$SLURM_NNODES" --nproc-per-node 3 --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d '
         f'--rdzv-endpoint "$head_node:29600" {tmp_path}/train.py --output-dir accel_export_output'
@@ -510,6 +510,20 @@ def test_the_script_warns_when_nothing_prepared_is_left_to_save(tmp_path: Path, 
     err = capsys.readouterr().err
     assert err.startswith("warning: no model, optimizer or scheduler") and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_the_slurm_file_asks_for_a_cpu_per_thread_of_each_process_on_a_cpu_plan(tmp_path: Path) -> None:
+    settings = Settings(num_processes=2, threads_per_process=4)
+    result = export("%%accel_train\nx = 1", settings=settings, script="my job.py", tmp=tmp_path)
+    assert "#SBATCH --job-name='my job'\n" in result.slurm
+    assert "#SBATCH --cpus-per-task=8\n# 2 process(es) x 4 thread(s) per node" in result.slurm
+    assert '\nexport SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in result.slurm
+    assert "#SBATCH --cpus-per-task=3\n" in export("%%accel_train", settings=Settings(num_processes=3, threads_per_process=0),
+                                                    tmp=tmp_path).slurm  # fmt: skip
+    result.write()
+    subprocess.run(["bash", "-n", result.slurm_path], check=True, timeout=30)
+    gpus = export("%%accel_train\nx = 1", settings=Settings(num_processes=2, cpu=False, gpus=True), tmp=tmp_path)
+    assert "--cpus-per-task" not in gpus.slurm and "SRUN_CPUS_PER_TASK" not in gpus.slurm
 
 
 def test_paths_that_cannot_be_written_are_refused_in_one_sentence(tmp_path: Path) -> None:
