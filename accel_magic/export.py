@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cell import top_level_names
+from .cell import ipython_call, top_level_names
 
 __all__ = [
     "DEFAULT_OUTPUT",
@@ -60,7 +60,7 @@ _DROPPED = {
     "whos",
 }
 # Cell magics whose body runs as the cell would, apart from output.
-_BODY_ONLY = {"time", "capture", "accel_train"}
+_BODY_ONLY = {"time", "capture"}
 
 
 class ExportError(ValueError):
@@ -88,7 +88,6 @@ class Export:
     slurm: str
     commands: tuple[str, ...]
     cells: tuple[tuple[int, str], ...]  # (execution count, why it was taken), in the order they ran
-    training_cell: int
     script_path: str
     slurm_path: str
 
@@ -98,12 +97,16 @@ class Export:
         Path(self.slurm_path).expanduser().write_text(self.slurm)
 
     def summary(self) -> str:
-        taken = "\n".join(f"  [{count}] {why}" for count, why in self.cells)
-        commands = "\n".join(f"  {command}" for command in self.commands)
+        taken, commands = _listing(self.cells, self.commands)
         return (
             f"Wrote {self.script_path} and {self.slurm_path} from these cells:\n{taken}\n"
             f"Run it with one of:\n{commands}"
         )
+
+
+def _listing(cells: Iterable[tuple[int, str]], commands: Iterable[str]) -> tuple[str, str]:
+    """The cells taken ("  [3] defines model (used by [5])") and the commands, a line each."""
+    return "\n".join(f"  [{count}] {why}" for count, why in cells), "\n".join(f"  {c}" for c in commands)
 
 
 def script_paths(path: str) -> tuple[str, str]:
@@ -196,9 +199,9 @@ class _Scope:
 
 
 class _Uses(ast.NodeVisitor):
-    """An ordered walk of a cell: the names it loads before binding them (`needed`, with the first line),
-    and the names its functions use (`deferred`, resolved against everything the cell binds, since a function
-    runs when called)."""
+    """An ordered walk of a cell: the names it loads before binding them (`needed`, with the first line), the
+    names its functions use (`deferred`: a function looks them up when called), and the needed names whose objects
+    its top-level code changes (`mutated`)."""
 
     def __init__(self) -> None:
         self.module = _Scope("module", None)
@@ -379,11 +382,6 @@ class _Uses(ast.NodeVisitor):
             else:
                 self.store(alias.asname or alias.name)
 
-    def visit_Global(self, node: ast.Global) -> None:
-        pass
-
-    visit_Nonlocal = visit_Global  # type: ignore[assignment]
-
     def _block(self, body: list[ast.stmt]) -> None:
         for stmt in body:
             self.visit(stmt)
@@ -491,23 +489,6 @@ def _char_col(source_lines: list[str], lineno: int, byte_col: int) -> int:
     return len(source_lines[lineno - 1].encode("utf-8")[:byte_col].decode("utf-8", "replace"))
 
 
-def _ipython_call(node: ast.AST) -> tuple[str, list[str]] | None:
-    """('run_line_magic', ['name', 'args']) for get_ipython().<method>('...', ...) with constant arguments."""
-    if not (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and isinstance(node.func.value, ast.Call)
-        and isinstance(node.func.value.func, ast.Name)
-        and node.func.value.func.id == "get_ipython"
-        and node.func.attr in ("run_line_magic", "run_cell_magic", "system", "getoutput")
-    ):
-        return None
-    values = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
-    if len(values) != len(node.args) or node.keywords:
-        return None
-    return node.func.attr, values
-
-
 _EXPANSION = re.compile(r"\{[^{}]*\}")
 
 
@@ -532,17 +513,17 @@ class _Translator:
                 "then export again",
             )
 
-    def source(self, raw: str, first_line: int) -> str:
-        """The cell (raw, its first line numbered `first_line`) with every magic and ! line as Python."""
-        source = self.transform(raw)
-        tree = ast.parse(source)
+    def source(self, source: str, first_line: int, tree: ast.Module | None = None) -> str:
+        """The transformed cell (its first line numbered `first_line`, `tree` its parse if already made) with every
+        magic and ! line as Python."""
+        tree = tree if tree is not None else ast.parse(source)
         lines = source.splitlines(True)
         starts = _offsets(source)
         parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
         edits: list[tuple[int, int, str]] = []
         for node in ast.walk(tree):
-            call = _ipython_call(node)
-            if call is None:
+            call = ipython_call(node)
+            if call is None or call[0] not in ("run_line_magic", "run_cell_magic", "system", "getoutput"):
                 continue
             assert isinstance(node, ast.Call) and node.end_lineno is not None and node.end_col_offset is not None
             statement = isinstance(parents.get(node), ast.Expr)
@@ -575,7 +556,7 @@ class _Translator:
                 raise self.refuse(
                     line, f"%%{name}", "rewrite the cell in Python, or leave it out of what the training cell uses"
                 )
-            inner = self.source(body, line + 1)
+            inner = self.source(self.transform(body), line + 1)
             return _indent(inner.rstrip("\n"), indent) if inner.strip() else "pass"
         name, text = (args + ["", ""])[:2]
         return self.line_magic(name, text.strip(), statement=statement, line=line)
@@ -627,46 +608,51 @@ class _Cell:
     source: str  # as Python, the magics translated (or only transformed where that failed)
     first_line: int  # the cell line of the source's line 1 (an %%accel_train cell's body starts at line 2)
     training: bool
-    binds: frozenset[str]
     names: Names
     error: ExportError | None  # why the cell cannot go into a script, should it be needed
     needs: frozenset[str] = frozenset()  # modules its translated magics use: os, subprocess, sys
 
 
-def _read_cell(count: int, raw: str, transform: Callable[[str], str], python_names: frozenset[str]) -> _Cell:
-    """The cell as Python, what it binds and needs; a magic without a translation becomes `pass` (so the rest
-    of the cell still counts) and the cell's error, raised only if the training cell depends on it."""
+def _body(raw: str) -> tuple[str, int, bool]:
+    """The cell's code (an %%accel_train cell's without its magic line), the cell line of its first line, and
+    whether it is an %%accel_train cell."""
     found = _magic_line(raw)
-    first_line = 1
-    if found is not None:
-        first_line = found[0] + 2
-        raw = "\n".join(raw.splitlines()[found[0] + 1 :])
-    translator = _Translator(count, transform, python_names)
-    error = None
-    try:
-        source = translator.source(raw, first_line)
-        tree = ast.parse(source)
-    except SyntaxError:
-        error = ExportError(f"Cell [{count}] is not valid Python: fix it, run it again, and export again.")
-        source, tree = raw, ast.Module(body=[], type_ignores=[])
-    if translator.refused:
-        error = min(translator.refused, key=lambda refused: refused[0])[1]
-    names = needed_names(tree)
-    binds = frozenset(top_level_names(tree)) | names.bound
-    return _Cell(count, source, first_line, found is not None, binds, names, error, frozenset(translator.needs))
+    if found is None:
+        return raw, 1, False
+    return "\n".join(raw.splitlines()[found[0] + 1 :]), found[0] + 2, True
 
 
-def _history_names(history: Sequence[tuple[int, str]], transform: Callable[[str], str]) -> frozenset[str]:
-    """Every name the cells bind at top level, before their magics are translated."""
-    names: set[str] = set()
-    for _, raw in history:
-        found = _magic_line(raw)
-        body = "\n".join(raw.splitlines()[found[0] + 1 :]) if found is not None else raw
+def _read_cells(history: Sequence[tuple[int, str]], transform: Callable[[str], str]) -> list[_Cell]:
+    """The cells as Python, what each binds and needs, each transformed and parsed once; a magic without a
+    translation becomes `pass` (so the rest of the cell still counts) and the cell's error, raised only if the
+    training cell depends on it."""
+    read = []
+    for count, raw in history:
+        body, first_line, training = _body(raw)
+        source = transform(body)
         try:
-            names.update(top_level_names(ast.parse(transform(body))))
+            tree: ast.Module | None = ast.parse(source)
         except SyntaxError:
-            continue
-    return frozenset(names)
+            tree = None
+        read.append((count, source, tree, first_line, training))
+    # `$name` in a command expands a Python name that any cell binds
+    python_names = frozenset(name for _, _, tree, _, _ in read if tree is not None for name in top_level_names(tree))
+    cells = []
+    for count, source, tree, first_line, training in read:
+        translator, error = _Translator(count, transform, python_names), None
+        try:
+            if tree is None:
+                raise SyntaxError
+            source = translator.source(source, first_line, tree)
+            tree = ast.parse(source)
+        except SyntaxError:
+            error = ExportError(f"Cell [{count}] is not valid Python: fix it, run it again, and export again.")
+            tree = ast.Module(body=[], type_ignores=[])
+        if translator.refused:
+            error = min(translator.refused, key=lambda refused: refused[0])[1]
+        names = needed_names(tree)
+        cells.append(_Cell(count, source, first_line, training, names, error, frozenset(translator.needs)))
+    return cells
 
 
 _Users = dict[str, set[int]]  # name -> the cells that use it
@@ -700,11 +686,11 @@ def _resolve(cells: list[_Cell], training: _Cell, accelerator_name: str) -> tupl
         earlier = [c for c in cells if c.count < cell.count]
         wanted = [(name, line, earlier) for name, line in cell.names.needed.items()]
         wanted += [(name, line, cells) for name, line in cell.names.deferred.items()
-                   if not (cell is training and name in cell.binds)]  # fmt: skip
+                   if not (cell is training and name in cell.names.bound)]  # fmt: skip
         for name, line, before in wanted:
             if name in BUILTINS or name == accelerator_name or name in cell.needs:
                 continue
-            definer = next((c for c in reversed(before) if name in c.binds), None)
+            definer = next((c for c in reversed(before) if name in c.names.bound), None)
             if definer is None and name in cell.names.bound:
                 continue  # bound later in the cell itself (a loop, a branch): its own
             if definer is None:
@@ -910,8 +896,7 @@ def _docstring_text(text: str) -> str:
 def _script(cells: list[_Cell], reasons: dict[int, str], settings: Settings, runs: tuple[str, ...], source: str,
             display: bool, training: int, needs: set[str]) -> str:  # fmt: skip
     name = settings.accelerator_name
-    taken = "\n".join(f"  [{c.count}] {reasons[c.count]}" for c in cells)
-    run_lines = "\n".join(f"  {command}" for command in runs)
+    taken, run_lines = _listing(((c.count, reasons[c.count]) for c in cells), runs)
     header = f'''"""Training script exported by accel_magic's %accel_export from {_docstring_text(source)}.
 
 The cells it runs, in the order they ran in the notebook:
@@ -979,9 +964,7 @@ def export_training_cell(
     """The training cell `training` (an execution count in `history`) and the earlier cells it depends on, as a
     script at `script` and a SLURM batch file next to it. Raises ExportError, one sentence saying what to do."""
     script, slurm = script_paths(script)
-    earlier = [(count, raw) for count, raw in history if count <= training]
-    python_names = _history_names(earlier, transform)
-    cells = [_read_cell(count, raw, transform, python_names) for count, raw in earlier]
+    cells = _read_cells([(count, raw) for count, raw in history if count <= training], transform)
     last = next(c for c in cells if c.count == training)
     used, display = _resolve([c for c in cells if c.count < training], last, settings.accelerator_name)
     taken = [c for c in cells if c.count in used]
@@ -1002,7 +985,6 @@ def export_training_cell(
         slurm=slurm_script(script, settings, port, job),
         commands=runs,
         cells=tuple((c.count, reasons[c.count]) for c in taken),
-        training_cell=training,
         script_path=script,
         slurm_path=slurm,
     )

@@ -368,6 +368,8 @@ def test_a_training_cell_magic_is_refused_with_its_line_in_the_cell(tmp_path: Pa
         export("%%accel_train -n 2\nx = 1\n%debug", tmp=tmp_path)
     with pytest.raises(ExportError, match=r"^Cell \[1\] line 2 uses %%bash, which has no plain-Python equivalent"):
         export("%%accel_train -n 2\n%%bash\necho hi", tmp=tmp_path)
+    with pytest.raises(ExportError, match=r"^Cell \[1\] line 2 uses %%accel_train, which has no plain-Python"):
+        export("%%accel_train -n 2\n%%accel_train\nx = 1", tmp=tmp_path)
 
 
 def test_cells_that_are_not_taken_may_hold_any_magic(tmp_path: Path) -> None:
