@@ -663,7 +663,7 @@ def _plural(names: list[str]) -> str:
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
 
 
-def _resolve(cells: list[_Cell], training: _Cell, accelerator_name: str) -> tuple[dict[int, _Users], bool]:
+def _resolve(cells: list[_Cell], training: _Cell, accelerator_name: str) -> tuple[dict[int, dict[str, _Users]], bool]:
     """Which cells before the training cell it depends on, followed transitively: for each name a cell needs at
     top level, the latest cell before it that binds it; for each name its functions use, the latest cell before the
     training cell that binds it (a function looks its names up when called); and every cell between that one and the
@@ -685,8 +685,9 @@ def _resolve(cells: list[_Cell], training: _Cell, accelerator_name: str) -> tupl
         missing, history = [], []
         earlier = [c for c in cells if c.count < cell.count]
         wanted = [(name, line, earlier) for name, line in cell.names.needed.items()]
-        wanted += [(name, line, cells) for name, line in cell.names.deferred.items()
-                   if not (cell is training and name in cell.names.bound)]  # fmt: skip
+        # a function's names: the training cell's own if it binds them, else as the training cell starts
+        own = cell.names.bound if cell is training else frozenset()
+        wanted += [(name, line, cells) for name, line in cell.names.deferred.items() if name not in own]
         for name, line, before in wanted:
             if name in BUILTINS or name == accelerator_name or name in cell.needs:
                 continue
