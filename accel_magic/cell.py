@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
-__all__ = ["CellError", "CellCode", "compile_cell", "top_level_names", "magics_called"]
+__all__ = ["CellError", "CellCode", "compile_cell", "top_level_names", "magics_called", "ipython_call"]
 
 _counter = itertools.count(1)
 
@@ -29,19 +29,29 @@ class CellCode:
     magics: tuple[tuple[str, str], ...] = ()  # ("line" or "cell", name) of the magics the cell calls
 
 
+def ipython_call(node: ast.AST) -> tuple[str, list[str]] | None:
+    """(method, arguments) of what IPython's transform makes of a magic or ! line, get_ipython().<method>('...', ...)
+    with string constants only; None for anything else."""
+    if not (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Call)
+        and isinstance(node.func.value.func, ast.Name)
+        and node.func.value.func.id == "get_ipython"
+        and not node.keywords
+    ):
+        return None
+    values = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    return (node.func.attr, values) if len(values) == len(node.args) else None
+
+
 def magics_called(tree: ast.Module) -> tuple[tuple[str, str], ...]:
     """The magics that IPython's transformed source calls (get_ipython().run_line_magic('name', ...))."""
     found: dict[tuple[str, str], None] = {}
     for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr in ("run_line_magic", "run_cell_magic")
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-        ):
-            found.setdefault(("line" if node.func.attr == "run_line_magic" else "cell", node.args[0].value), None)
+        method, args = ipython_call(node) or ("", [])
+        if method in ("run_line_magic", "run_cell_magic") and args:
+            found.setdefault(("line" if method == "run_line_magic" else "cell", args[0]), None)
     return tuple(found)
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cell import top_level_names
+from .cell import ipython_call, top_level_names
 
 __all__ = [
     "DEFAULT_OUTPUT",
@@ -60,7 +60,7 @@ _DROPPED = {
     "whos",
 }
 # Cell magics whose body runs as the cell would, apart from output.
-_BODY_ONLY = {"time", "capture", "accel_train"}
+_BODY_ONLY = {"time", "capture"}
 
 
 class ExportError(ValueError):
@@ -76,6 +76,7 @@ class Settings:
     mixed_precision: str = "no"
     timeout: float = 900.0
     gpus: bool = False  # the plan trains on CUDA GPUs: the SLURM job asks for them
+    threads_per_process: int = 1  # on a CPU plan the SLURM job asks for num_processes * threads CPUs per node
     accelerator_name: str = "accelerator"
 
 
@@ -87,7 +88,6 @@ class Export:
     slurm: str
     commands: tuple[str, ...]
     cells: tuple[tuple[int, str], ...]  # (execution count, why it was taken), in the order they ran
-    training_cell: int
     script_path: str
     slurm_path: str
 
@@ -97,12 +97,16 @@ class Export:
         Path(self.slurm_path).expanduser().write_text(self.slurm)
 
     def summary(self) -> str:
-        taken = "\n".join(f"  [{count}] {why}" for count, why in self.cells)
-        commands = "\n".join(f"  {command}" for command in self.commands)
+        taken, commands = _listing(self.cells, self.commands)
         return (
             f"Wrote {self.script_path} and {self.slurm_path} from these cells:\n{taken}\n"
             f"Run it with one of:\n{commands}"
         )
+
+
+def _listing(cells: Iterable[tuple[int, str]], commands: Iterable[str]) -> tuple[str, str]:
+    """The cells taken ("  [3] defines model (used by [5])") and the commands, a line each."""
+    return "\n".join(f"  [{count}] {why}" for count, why in cells), "\n".join(f"  {c}" for c in commands)
 
 
 def script_paths(path: str) -> tuple[str, str]:
@@ -195,15 +199,16 @@ class _Scope:
 
 
 class _Uses(ast.NodeVisitor):
-    """An ordered walk of a cell: the names it loads before binding them (`needed`, with the first line),
-    and the names its functions use (`deferred`, resolved against everything the cell binds, since a function
-    runs when called)."""
+    """An ordered walk of a cell: the names it loads before binding them (`needed`, with the first line), the
+    names its functions use (`deferred`: a function looks them up when called), and the needed names whose objects
+    its top-level code changes (`mutated`)."""
 
     def __init__(self) -> None:
         self.module = _Scope("module", None)
         self.scope = self.module
         self.needed: dict[str, int] = {}
         self.deferred: dict[str, int] = {}
+        self.mutated: set[str] = set()  # names from other cells whose objects its top-level code changes
         self.global_bindings: set[str] = set()  # assigned by functions through `global`
         self.star = False
 
@@ -227,6 +232,29 @@ class _Uses(ast.NodeVisitor):
         if scope.kind != "function":
             scope.bound.add(name)
 
+    def mutate(self, node: ast.expr) -> None:
+        """`node` (n.a.f's `n.a`, or an assignment target n.a / n[k]) changes the object its root name holds."""
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        if not isinstance(node, ast.Name):
+            return
+        scope = self.scope
+        while scope is not self.module:
+            if scope.kind == "function" or node.id in scope.bound:
+                return
+            scope = scope.parent
+        if node.id not in self.module.bound:
+            self.mutated.add(node.id)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if isinstance(node.func, ast.Attribute):
+            self.mutate(node.func.value)
+        self.generic_visit(node)
+
+    def visit_Delete(self, node: ast.Delete) -> None:
+        for target in node.targets:
+            self._target(target)
+
     def visit_Name(self, node: ast.Name) -> None:
         if isinstance(node.ctx, ast.Store):
             self.store(node.id)
@@ -234,7 +262,10 @@ class _Uses(ast.NodeVisitor):
             self.load(node.id, node.lineno)
 
     def _target(self, node: ast.AST) -> None:
-        """An assignment target: subscripts and attributes load their objects; names bind."""
+        """An assignment target: subscripts and attributes load their objects and change them; names bind."""
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.Attribute, ast.Subscript)) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+                self.mutate(sub)
         self.visit(node)
 
     # statements, in the order Python evaluates them
@@ -351,11 +382,6 @@ class _Uses(ast.NodeVisitor):
             else:
                 self.store(alias.asname or alias.name)
 
-    def visit_Global(self, node: ast.Global) -> None:
-        pass
-
-    visit_Nonlocal = visit_Global  # type: ignore[assignment]
-
     def _block(self, body: list[ast.stmt]) -> None:
         for stmt in body:
             self.visit(stmt)
@@ -431,22 +457,21 @@ class Names:
     """What a cell needs from the cells before it, and what it binds."""
 
     needed: dict[str, int]  # loaded before the cell binds them, with the line of the first such load
+    deferred: dict[str, int]  # used inside its functions and bound nowhere in them, with the first line
     bound: frozenset[str]  # everything the cell binds at top level, anywhere in it
     star: bool  # the cell has `from ... import *`
+    mutated: frozenset[str] = frozenset()  # needed names whose objects it changes: n.f(...), n.a = v, n[k] = v, del n.a
 
 
 def needed_names(tree: ast.Module) -> Names:
-    """The names a cell needs from earlier cells: loaded at a point where the cell has not bound them yet, or used
-    by its functions and bound nowhere in the cell."""
+    """The names a cell needs from other cells: loaded at top level where the cell has not bound them yet
+    (`needed`), or used by its functions (`deferred`, looked up when a function is called, so in any cell that ran
+    before the training cell)."""
     uses = _Uses()
     for stmt in tree.body:
         uses.visit(stmt)
-    bound = uses.module.bound | uses.global_bindings
-    needed = dict(uses.needed)
-    for name, line in uses.deferred.items():
-        if name not in bound:
-            needed.setdefault(name, line)
-    return Names(needed, frozenset(bound), uses.star)
+    bound = frozenset(uses.module.bound | uses.global_bindings)
+    return Names(uses.needed, uses.deferred, bound, uses.star, frozenset(uses.mutated))
 
 
 # --- magics and ! lines as plain Python -----------------------------------------------------------------------
@@ -462,23 +487,6 @@ def _offsets(source: str) -> list[int]:
 
 def _char_col(source_lines: list[str], lineno: int, byte_col: int) -> int:
     return len(source_lines[lineno - 1].encode("utf-8")[:byte_col].decode("utf-8", "replace"))
-
-
-def _ipython_call(node: ast.AST) -> tuple[str, list[str]] | None:
-    """('run_line_magic', ['name', 'args']) for get_ipython().<method>('...', ...) with constant arguments."""
-    if not (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and isinstance(node.func.value, ast.Call)
-        and isinstance(node.func.value.func, ast.Name)
-        and node.func.value.func.id == "get_ipython"
-        and node.func.attr in ("run_line_magic", "run_cell_magic", "system", "getoutput")
-    ):
-        return None
-    values = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
-    if len(values) != len(node.args) or node.keywords:
-        return None
-    return node.func.attr, values
 
 
 _EXPANSION = re.compile(r"\{[^{}]*\}")
@@ -505,17 +513,17 @@ class _Translator:
                 "then export again",
             )
 
-    def source(self, raw: str, first_line: int) -> str:
-        """The cell (raw, its first line numbered `first_line`) with every magic and ! line as Python."""
-        source = self.transform(raw)
-        tree = ast.parse(source)
+    def source(self, source: str, first_line: int, tree: ast.Module | None = None) -> str:
+        """The transformed cell (its first line numbered `first_line`, `tree` its parse if already made) with every
+        magic and ! line as Python."""
+        tree = tree if tree is not None else ast.parse(source)
         lines = source.splitlines(True)
         starts = _offsets(source)
         parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
         edits: list[tuple[int, int, str]] = []
         for node in ast.walk(tree):
-            call = _ipython_call(node)
-            if call is None:
+            call = ipython_call(node)
+            if call is None or call[0] not in ("run_line_magic", "run_cell_magic", "system", "getoutput"):
                 continue
             assert isinstance(node, ast.Call) and node.end_lineno is not None and node.end_col_offset is not None
             statement = isinstance(parents.get(node), ast.Expr)
@@ -537,17 +545,18 @@ class _Translator:
             command = args[0]
             self.check_expansion(command, line, f"`!{command}`")
             self.needs.add("subprocess")
+            # As in IPython: a failing command does not stop the cell, and `x = !cmd` holds stdout and stderr.
             if method == "system":
-                return f"subprocess.run({command!r}, shell=True, check=True)"
-            captured = "stdout=subprocess.PIPE, text=True"
-            return f"subprocess.run({command!r}, shell=True, check=True, {captured}).stdout.splitlines()"
+                return f"subprocess.run({command!r}, shell=True)"
+            captured = "stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True"
+            return f"subprocess.run({command!r}, shell=True, {captured}).stdout.splitlines()"
         if method == "run_cell_magic":
             name, options, body = (args + ["", "", ""])[:3]
             if name not in _BODY_ONLY:
                 raise self.refuse(
                     line, f"%%{name}", "rewrite the cell in Python, or leave it out of what the training cell uses"
                 )
-            inner = self.source(body, line + 1)
+            inner = self.source(self.transform(body), line + 1)
             return _indent(inner.rstrip("\n"), indent) if inner.strip() else "pass"
         name, text = (args + ["", ""])[:2]
         return self.line_magic(name, text.strip(), statement=statement, line=line)
@@ -568,18 +577,14 @@ class _Translator:
                 self.needs.add("os")
                 return f"os.chdir(os.path.expanduser({words[0]!r}))"
             if name == "env":
-                pair = words[0].split("=", 1) if len(words) == 1 and "=" in words[0] else words
-                if len(pair) == 2:
+                # IPython's own split: at the first "=" if there is one, else at the first space; the value as is.
+                key, *value = [part.strip() for part in text.split("=" if "=" in text else " ", 1)]
+                if key and not any(c.isspace() for c in key):
                     self.needs.add("os")
-                    key, value = pair
-                    return (
-                        f"os.environ[{key!r}] = {value!r}"
-                        if statement
-                        else f"os.environ.setdefault({key!r}, {value!r})"
-                    )
-                if len(pair) == 1 and not statement:
-                    self.needs.add("os")
-                    return f"os.environ[{pair[0]!r}]"
+                    if not value:  # a read
+                        return f"os.environ[{key!r}]"
+                    set_key = f"os.environ[{key!r}] = {value[0]!r}"
+                    return set_key if statement else f"os.environ.__setitem__({key!r}, {value[0]!r})"
             if name == "pip" and words:
                 self.needs.update(("subprocess", "sys"))
                 return f'subprocess.run([sys.executable, "-m", "pip", *{words!r}], check=True)'
@@ -603,46 +608,54 @@ class _Cell:
     source: str  # as Python, the magics translated (or only transformed where that failed)
     first_line: int  # the cell line of the source's line 1 (an %%accel_train cell's body starts at line 2)
     training: bool
-    binds: frozenset[str]
     names: Names
     error: ExportError | None  # why the cell cannot go into a script, should it be needed
     needs: frozenset[str] = frozenset()  # modules its translated magics use: os, subprocess, sys
 
 
-def _read_cell(count: int, raw: str, transform: Callable[[str], str], python_names: frozenset[str]) -> _Cell:
-    """The cell as Python, what it binds and needs; a magic without a translation becomes `pass` (so the rest
-    of the cell still counts) and the cell's error, raised only if the training cell depends on it."""
+def _body(raw: str) -> tuple[str, int, bool]:
+    """The cell's code (an %%accel_train cell's without its magic line), the cell line of its first line, and
+    whether it is an %%accel_train cell."""
     found = _magic_line(raw)
-    first_line = 1
-    if found is not None:
-        first_line = found[0] + 2
-        raw = "\n".join(raw.splitlines()[found[0] + 1 :])
-    translator = _Translator(count, transform, python_names)
-    error = None
-    try:
-        source = translator.source(raw, first_line)
-        tree = ast.parse(source)
-    except SyntaxError:
-        error = ExportError(f"Cell [{count}] is not valid Python: fix it, run it again, and export again.")
-        source, tree = raw, ast.Module(body=[], type_ignores=[])
-    if translator.refused:
-        error = min(translator.refused, key=lambda refused: refused[0])[1]
-    names = needed_names(tree)
-    binds = frozenset(top_level_names(tree)) | names.bound
-    return _Cell(count, source, first_line, found is not None, binds, names, error, frozenset(translator.needs))
+    if found is None:
+        return raw, 1, False
+    return "\n".join(raw.splitlines()[found[0] + 1 :]), found[0] + 2, True
 
 
-def _history_names(history: Sequence[tuple[int, str]], transform: Callable[[str], str]) -> frozenset[str]:
-    """Every name the cells bind at top level, before their magics are translated."""
-    names: set[str] = set()
-    for _, raw in history:
-        found = _magic_line(raw)
-        body = "\n".join(raw.splitlines()[found[0] + 1 :]) if found is not None else raw
+def _read_cells(history: Sequence[tuple[int, str]], transform: Callable[[str], str]) -> list[_Cell]:
+    """The cells as Python, what each binds and needs, each transformed and parsed once; a magic without a
+    translation becomes `pass` (so the rest of the cell still counts) and the cell's error, raised only if the
+    training cell depends on it."""
+    read = []
+    for count, raw in history:
+        body, first_line, training = _body(raw)
+        source = transform(body)
         try:
-            names.update(top_level_names(ast.parse(transform(body))))
+            tree: ast.Module | None = ast.parse(source)
         except SyntaxError:
-            continue
-    return frozenset(names)
+            tree = None
+        read.append((count, source, tree, first_line, training))
+    # `$name` in a command expands a Python name that any cell binds
+    python_names = frozenset(name for _, _, tree, _, _ in read if tree is not None for name in top_level_names(tree))
+    cells = []
+    for count, source, tree, first_line, training in read:
+        translator, error = _Translator(count, transform, python_names), None
+        try:
+            if tree is None:
+                raise SyntaxError
+            source = translator.source(source, first_line, tree)
+            tree = ast.parse(source)
+        except SyntaxError:
+            error = ExportError(f"Cell [{count}] is not valid Python: fix it, run it again, and export again.")
+            tree = ast.Module(body=[], type_ignores=[])
+        if translator.refused:
+            error = min(translator.refused, key=lambda refused: refused[0])[1]
+        names = needed_names(tree)
+        cells.append(_Cell(count, source, first_line, training, names, error, frozenset(translator.needs)))
+    return cells
+
+
+_Users = dict[str, set[int]]  # name -> the cells that use it
 
 
 def _plural(names: list[str]) -> str:
@@ -650,28 +663,39 @@ def _plural(names: list[str]) -> str:
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
 
 
-def _resolve(
-    cells: list[_Cell], training: _Cell, accelerator_name: str
-) -> tuple[dict[int, dict[int, list[str]]], bool]:
-    """Which earlier cells the training cell depends on, followed transitively: for each name a cell needs, the
-    latest cell before it that binds it. Returns {cell: {the cell that uses it: names}} and whether `display` is
-    used without a cell that defines it."""
-    used: dict[int, dict[int, list[str]]] = {training.count: {}}
+def _resolve(cells: list[_Cell], training: _Cell, accelerator_name: str) -> tuple[dict[int, dict[str, _Users]], bool]:
+    """Which cells before the training cell it depends on, followed transitively: for each name a cell needs at
+    top level, the latest cell before it that binds it; for each name its functions use, the latest cell before the
+    training cell that binds it (a function looks its names up when called); and every cell between that one and the
+    training cell that changes the object the name holds (a seed, loaded weights). Returns {cell: {"defines" or
+    "changes": {name: the cells that use it}}} and whether `display` is used without a cell that defines it."""
+    used: dict[int, dict[str, _Users]] = {training.count: {}}
     queue, display, seen = [training], False, {training.count}
+
+    def take(taken: _Cell, verb: str, name: str, user: _Cell) -> None:
+        used.setdefault(taken.count, {}).setdefault(verb, {}).setdefault(name, set()).add(user.count)
+        if taken.count not in seen:
+            seen.add(taken.count)
+            queue.append(taken)
+
     while queue:
         cell = queue.pop(0)
         if cell.error is not None:
             raise cell.error
         missing, history = [], []
         earlier = [c for c in cells if c.count < cell.count]
-        for name, line in cell.names.needed.items():
+        wanted = [(name, line, earlier) for name, line in cell.names.needed.items()]
+        # a function's names: the training cell's own if it binds them, else as the training cell starts
+        own = cell.names.bound if cell is training else frozenset()
+        wanted += [(name, line, cells) for name, line in cell.names.deferred.items() if name not in own]
+        for name, line, before in wanted:
             if name in BUILTINS or name == accelerator_name or name in cell.needs:
                 continue
-            definer = next((c for c in reversed(earlier) if name in c.binds), None)
+            definer = next((c for c in reversed(before) if name in c.names.bound), None)
             if definer is None and name in cell.names.bound:
                 continue  # bound later in the cell itself (a loop, a branch): its own
             if definer is None:
-                definer = next((c for c in reversed(earlier) if c.names.star), None)
+                definer = next((c for c in reversed(before) if c.names.star), None)
             if definer is None:
                 if name == "display":
                     display = True
@@ -685,10 +709,11 @@ def _resolve(
                 else:
                     missing.append(name)
                 continue
-            used.setdefault(definer.count, {}).setdefault(cell.count, []).append(name)
-            if definer.count not in seen:
-                seen.add(definer.count)
-                queue.append(definer)
+            if definer is not cell:  # else a function of the cell uses what the cell itself binds
+                take(definer, "defines", name, cell)
+            for changer in cells:
+                if definer.count < changer.count and changer is not cell and name in changer.names.mutated:
+                    take(changer, "changes", name, cell)
         if history:
             raise ExportError(
                 f"Cell [{cell.count}] uses {_plural(history)}, IPython's input and output history, which a script "
@@ -703,21 +728,20 @@ def _resolve(
     return used, display
 
 
-def _why(cell: _Cell, users: dict[int, list[str]], training: int) -> str:
-    """ "defines model, opt (used by [7]); X (used by [5], [7])": names grouped by the cells that use them."""
+def _why(cell: _Cell, uses: dict[str, _Users], training: int) -> str:
+    """ "defines model, opt (used by [7]); X (used by [5], [7]); changes torch (used by [7])": names grouped by
+    the cells that use them."""
     if cell.count == training:
         return "the %%accel_train cell"
-    by_name: dict[str, list[int]] = {}
-    for user, names in sorted(users.items()):
-        for name in names:
-            by_name.setdefault(name, []).append(user)
-    groups: dict[tuple[int, ...], list[str]] = {}
-    for name, cells in sorted(by_name.items()):
-        groups.setdefault(tuple(cells), []).append(name)
-    uses = "; ".join(
-        f"{', '.join(names)} (used by {', '.join(f'[{c}]' for c in cells)})" for cells, names in groups.items()
-    )
-    return ("an earlier %%accel_train cell; " if cell.training else "") + f"defines {uses}"
+    parts = ["an earlier %%accel_train cell"] if cell.training else []
+    for verb in ("defines", "changes"):
+        groups: dict[tuple[int, ...], list[str]] = {}
+        for name, users in sorted(uses.get(verb, {}).items()):
+            groups.setdefault(tuple(sorted(users)), []).append(name)
+        named = [f"{', '.join(names)} (used by {', '.join(f'[{c}]' for c in by)})" for by, names in groups.items()]
+        if named:
+            parts.append(f"{verb} {'; '.join(named)}")
+    return "; ".join(parts)
 
 
 # --- the script, the SLURM file and the commands ----------------------------------------------------------------
@@ -741,16 +765,28 @@ def commands(script: str, slurm: str, settings: Settings, output: str = DEFAULT_
 
 def slurm_script(script: str, settings: Settings, port: int, job: str, output: str = DEFAULT_OUTPUT) -> str:
     n = settings.num_processes
-    gpus = f"#SBATCH --gpus-per-node={n}\n" if settings.gpus else ""
+    cpus_for_srun = ""
+    if settings.gpus:
+        resources = f"#SBATCH --gpus-per-node={n}"
+    else:
+        cpus = max(n, n * settings.threads_per_process)
+        resources = (
+            f"#SBATCH --cpus-per-task={cpus}\n# {n} process(es) x {settings.threads_per_process} thread(s) per node, "
+            "as the notebook's plan has it: adjust\n# --cpus-per-task to the cores a node gives this job, at least "
+            "one per process."
+        )
+        cpus_for_srun = 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"  # srun does not pass it on by itself\n'
+
     return f"""#!/bin/bash
-#SBATCH --job-name={job}
+#SBATCH --job-name={shlex.quote(job)}
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
-{gpus}# Written by accel_magic's %accel_export with {script}: each node runs one torchrun, which starts {n} process(es)
+{resources}
+# Written by accel_magic's %accel_export with {script}: each node runs one torchrun, which starts {n} process(es)
 # there; the nodes meet through torch's c10d rendezvous on the job's first node, port {port}. Submit it from the
 # folder you exported from: sbatch <this file>. Change --nodes above to use more machines.
 set -euo pipefail
-
+{cpus_for_srun}
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 
 srun torchrun \\
@@ -781,20 +817,27 @@ def _accel_environment(num_processes):
 
 
 def _accel_record(accelerator):
-    """accelerator.prepare and register_for_checkpointing, remembering what they were given and returned."""
+    """accelerator.prepare, its prepare_model/_optimizer/_scheduler and register_for_checkpointing, remembering what
+    they were given and returned (prepare calls the others: a pair may be recorded twice)."""
     prepared, registered = [], []
-    prepare, register = accelerator.prepare, accelerator.register_for_checkpointing
 
-    def recorded_prepare(*objects, **kwargs):
-        result = prepare(*objects, **kwargs)
-        prepared.extend(zip(objects, result if isinstance(result, tuple) else (result,)))
-        return result
+    def recorded(prepare):
+        def wrapper(*objects, **kwargs):
+            result = prepare(*objects, **kwargs)
+            prepared.extend(zip(objects, result if isinstance(result, tuple) else (result,)))
+            return result
+
+        return wrapper
+
+    for method in ("prepare", "prepare_model", "prepare_optimizer", "prepare_scheduler"):
+        setattr(accelerator, method, recorded(getattr(accelerator, method)))
+    register = accelerator.register_for_checkpointing
 
     def recorded_register(*objects):
         registered.extend(objects)
         return register(*objects)
 
-    accelerator.prepare, accelerator.register_for_checkpointing = recorded_prepare, recorded_register
+    accelerator.register_for_checkpointing = recorded_register
     return prepared, registered
 
 
@@ -811,6 +854,7 @@ def _accel_save(accelerator, namespace, prepared, registered, output_dir):
     back: models through accelerator.get_state_dict on every process (a collective under FSDP and DeepSpeed),
     the files from the main process."""
     import os
+    import sys
 
     import torch
     from torch.utils.data import DataLoader
@@ -829,7 +873,14 @@ def _accel_save(accelerator, namespace, prepared, registered, output_dir):
                 states[name] = accelerator.get_state_dict(returned)
             else:
                 states[name] = returned.state_dict()
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and not states:
+        print(
+            "warning: no model, optimizer or scheduler that went through the accelerator's prepare is bound to a name "
+            "at the end of the script, so nothing was saved: keep what prepare returns in a name, such as "
+            "`model = accelerator.prepare(model)`.",
+            file=sys.stderr,
+        )
+    elif accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
         for name, state in states.items():
             path = os.path.join(output_dir, f"{name}.pt")
@@ -846,8 +897,7 @@ def _docstring_text(text: str) -> str:
 def _script(cells: list[_Cell], reasons: dict[int, str], settings: Settings, runs: tuple[str, ...], source: str,
             display: bool, training: int, needs: set[str]) -> str:  # fmt: skip
     name = settings.accelerator_name
-    taken = "\n".join(f"  [{c.count}] {reasons[c.count]}" for c in cells)
-    run_lines = "\n".join(f"  {command}" for command in runs)
+    taken, run_lines = _listing(((c.count, reasons[c.count]) for c in cells), runs)
     header = f'''"""Training script exported by accel_magic's %accel_export from {_docstring_text(source)}.
 
 The cells it runs, in the order they ran in the notebook:
@@ -860,7 +910,8 @@ Run it with one of (the last one submits the SLURM batch file written next to it
 {_docstring_text(run_lines)}
 
 The main process writes the trained state of every model, optimizer and scheduler that went through
-{name}.prepare to <output-dir>/<name>.pt; read it with torch.load(path, map_location="cpu").
+{name}.prepare (or prepare_model, prepare_optimizer, prepare_scheduler) to <output-dir>/<name>.pt; read it with
+torch.load(path, map_location="cpu").
 """
 '''
     imports = "import argparse\n" + "".join(f"import {module}\n" for module in sorted(needs))
@@ -914,9 +965,7 @@ def export_training_cell(
     """The training cell `training` (an execution count in `history`) and the earlier cells it depends on, as a
     script at `script` and a SLURM batch file next to it. Raises ExportError, one sentence saying what to do."""
     script, slurm = script_paths(script)
-    earlier = [(count, raw) for count, raw in history if count <= training]
-    python_names = _history_names(earlier, transform)
-    cells = [_read_cell(count, raw, transform, python_names) for count, raw in earlier]
+    cells = _read_cells([(count, raw) for count, raw in history if count <= training], transform)
     last = next(c for c in cells if c.count == training)
     used, display = _resolve([c for c in cells if c.count < training], last, settings.accelerator_name)
     taken = [c for c in cells if c.count in used]
@@ -937,7 +986,6 @@ def export_training_cell(
         slurm=slurm_script(script, settings, port, job),
         commands=runs,
         cells=tuple((c.count, reasons[c.count]) for c in taken),
-        training_cell=training,
         script_path=script,
         slurm_path=slurm,
     )

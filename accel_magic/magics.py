@@ -320,10 +320,11 @@ class AccelMagics(Magics):
         """Write the last %%accel_train cell run in this kernel as a script for `accelerate launch`, `torchrun` or
         `python`, with the earlier cells it uses, and a SLURM batch file next to it; print the commands.
 
-        The earlier cells are those that define a name the training cell uses, followed transitively, in the order
-        they ran; cells that only display are left out. Magics and ! lines become Python where they can; others are
-        refused with the cell and line. The script builds its Accelerator from the training cell's plan and writes
-        the trained state of each prepared model and optimizer to --output-dir. The notebook is left as it was.
+        The earlier cells are those that define a name the training cell uses or change what it holds (a seed,
+        loaded weights), followed transitively, in the order they ran; cells that only display are left out. Magics
+        and ! lines become Python where they can; others are refused with the cell and line. The script builds its
+        Accelerator from the training cell's plan and writes the trained state of each prepared model and optimizer
+        to --output-dir. The notebook is left as it was.
         """
         from .export import DEFAULT_PORT, ExportError, Settings, export_training_cell, last_training_cell
 
@@ -348,6 +349,7 @@ class AccelMagics(Magics):
                 mixed_precision=plan.mixed_precision,
                 timeout=plan.timeout,
                 gpus=plan.device == "cuda",
+                threads_per_process=plan.threads_per_process,
                 accelerator_name=self.accelerator_name,
             )
             source = shell.user_ns.get("__vsc_ipynb_file__") or os.environ.get("JPY_SESSION_NAME") or "a notebook"

@@ -59,7 +59,7 @@ def export(*cells: str, settings: Settings | None = None, tmp: Path | None = Non
     history = list(enumerate(cells, start=1))
     found = last_training_cell(history)
     assert found is not None
-    script = str((tmp or Path("/tmp")) / "train.py")
+    script = str((tmp or Path("/tmp")) / kwargs.pop("script", "train.py"))
     return export_training_cell(history, transform, found[0], settings or Settings(), script=script, **kwargs)
 
 
@@ -83,12 +83,12 @@ def taken(result) -> list[int]:
         ("for i in items:\n    last = i\nprint(last)", {"items", "print"}),
         ("for x, y in dl:\n    loss = f(x, y)\nloss.item()", {"dl", "f"}),
         ("while go():\n    step = 1", {"go"}),
-        ("def f(a):\n    return a + model(b)", {"model", "b"}),
+        ("def f(a):\n    return a + model(b)", set()),
         ("def f():\n    return helper()\ndef helper():\n    return 1", set()),
         ("def f(a=default):\n    pass", {"default"}),
         ("@deco\ndef f():\n    pass", {"deco"}),
-        ("g = lambda v: v * scale", {"scale"}),
-        ("class C(Base):\n    size = n\n    def m(self):\n        return size", {"Base", "n", "size"}),
+        ("g = lambda v: v * scale", set()),
+        ("class C(Base):\n    size = n\n    def m(self):\n        return size", {"Base", "n"}),
         ("class C:\n    def m(self):\n        return C()", set()),
         ("sq = [v * k for v in values]", {"values", "k"}),
         ("sq = {v: w for v, w in pairs if v}", {"pairs"}),
@@ -106,6 +106,41 @@ def taken(result) -> list[int]:
 )
 def test_a_cell_needs_what_it_loads_before_binding_it(source: str, expected: set[str]) -> None:
     assert needed(source) == expected
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("def f(a):\n    return a + model(b)", {"model", "b"}),
+        ("def f():\n    return helper()\ndef helper():\n    return 1", {"helper"}),
+        ("g = lambda v: v * scale", {"scale"}),
+        ("class C(Base):\n    size = n\n    def m(self):\n        return size", {"size"}),
+        ("class C:\n    def m(self):\n        x = 1\n        return x, C", {"C"}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_names_used_inside_functions_are_deferred_to_when_they_are_called(source: str, expected: set[str]) -> None:
+    assert set(needed_names(ast.parse(source)).deferred) == expected
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("torch.manual_seed(0)", {"torch"}),
+        ("_ = torch.random.manual_seed(0)", {"torch"}),
+        ("model.load_state_dict(state)", {"model"}),
+        ('opt.param_groups[0]["lr"] = 0.5', {"opt"}),
+        ("model.steps += 1\ndel cache.entry\nitems[0] = 1", {"model", "cache", "items"}),
+        ("for m in models:\n    m.reset()", set()),
+        ("print(model)\nmodel(x)\nf(model)\nx = model.weight", set()),
+        ("data = []\ndata.append(1)", set()),
+        ("def f():\n    model.reset()\ng = lambda: torch.manual_seed(1)", set()),
+        ("[m.reset() for m in models]", set()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_a_cell_changes_objects_of_other_cells_through_calls_and_assignments(source: str, expected: set[str]) -> None:
+    assert needed_names(ast.parse(source)).mutated == expected
 
 
 def test_needed_names_keep_the_line_of_the_first_use() -> None:
@@ -169,6 +204,49 @@ def test_an_earlier_training_cell_is_taken_as_its_body(tmp_path: Path) -> None:
     )
 
 
+def test_a_function_finds_a_name_defined_after_it_but_before_the_training_cell(tmp_path: Path) -> None:
+    result = export("def step():\n    return loss_fn()", "def loss_fn():\n    return 0", "%%accel_train\nstep()",
+                    tmp=tmp_path)  # fmt: skip
+    assert taken(result) == [1, 2, 3]
+    assert dict(result.cells)[2] == "defines loss_fn (used by [1])"
+
+
+def test_a_function_uses_the_latest_definition_before_the_training_cell(tmp_path: Path) -> None:
+    cells = ["def loss_fn():\n    return 0", "def step():\n    return loss_fn()", "def loss_fn():\n    return 1"]
+    result = export(*cells, "x = 2", "%%accel_train\nstep()", tmp=tmp_path)
+    assert taken(result) == [2, 3, 5]
+    assert "return 0" not in result.script
+    chain = export("def a():\n    return b()", "def b():\n    return c", "c = 1", "%%accel_train\na()", tmp=tmp_path)
+    assert taken(chain) == [1, 2, 3, 4]  # followed transitively
+    own = export("lr = 5", "%%accel_train\ndef f():\n    return lr\nlr = 1\nf()", tmp=tmp_path)
+    assert taken(own) == [2]  # the training cell's own binding
+
+
+def test_cells_that_change_a_used_object_without_rebinding_it_are_taken(tmp_path: Path) -> None:
+    result = export(
+        "import torch",  # [1]
+        "torch.manual_seed(0)",  # [2] the seed
+        "print(torch.__version__)",  # [3] displays only
+        "state = {}",  # [4] used by [6]
+        "model = torch.nn.Linear(2, 2)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)",  # [5]
+        "model.load_state_dict(state)",  # [6]
+        'opt.param_groups[0]["lr"] = 0.5',  # [7]
+        "%%accel_train\nmodel, opt = accelerator.prepare(model, opt)",
+        tmp=tmp_path,
+    )
+    assert taken(result) == [1, 2, 4, 5, 6, 7, 8]
+    reasons = dict(result.cells)
+    assert reasons[2] == "changes torch (used by [5])"
+    assert reasons[6] == "changes model (used by [8])"
+    assert reasons[7] == "changes opt (used by [8])"
+    assert reasons[4] == "defines state (used by [6])"
+
+
+def test_a_change_before_the_name_is_bound_again_is_left_out(tmp_path: Path) -> None:
+    result = export("x = []", "x.append(1)", "x = [2]", "x.append(3)", "%%accel_train\ny = x", tmp=tmp_path)
+    assert taken(result) == [3, 4, 5]
+
+
 def test_a_name_no_earlier_cell_defines_is_named_with_the_cell(tmp_path: Path) -> None:
     with pytest.raises(ExportError) as err:
         export("x = 1", "%%accel_train\ny = x + foo + bar", tmp=tmp_path)
@@ -203,7 +281,7 @@ def test_a_star_import_stands_for_names_nothing_else_defines(tmp_path: Path) -> 
 
 def test_the_accelerator_name_and_builtins_are_not_needed(tmp_path: Path) -> None:
     result = export("%%accel_train\nacc.print(len([]))", settings=Settings(accelerator_name="acc"), tmp=tmp_path)
-    assert "\nacc = Accelerator(" in result.script and "acc.prepare to <output-dir>" in result.script
+    assert "\nacc = Accelerator(" in result.script and "acc.prepare (or prepare_model" in result.script
 
 
 # --- magics and ! lines ---
@@ -229,11 +307,37 @@ def test_magics_with_a_python_equivalent_are_translated_in_place(tmp_path: Path)
     assert "os.chdir(os.path.expanduser('~/data'))" in body
     assert "os.environ['MODE'] = 'fast'" in body
     assert "subprocess.run([sys.executable, \"-m\", \"pip\", *['install', '-q', 'tqdm']], check=True)" in body
-    assert "subprocess.run('echo hello  # keep this', shell=True, check=True)" in body
-    assert "files = subprocess.run('ls', shell=True, check=True, stdout=subprocess.PIPE, text=True)" in body
+    assert "\nsubprocess.run('echo hello  # keep this', shell=True)\n" in body
+    assert (
+        "files = subprocess.run('ls', shell=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)"
+        ".stdout.splitlines()\n" in body
+    )
     assert "\ndata = load()" in body
     assert "import argparse\nimport os\nimport subprocess\nimport sys\n" in result.script
     assert taken(result) == [1, 2, 3]  # `load` at line 7 runs before the cell's own def: cell [1]'s
+
+
+@pytest.mark.parametrize(
+    ("line", "python"),
+    [
+        ("%env A=hello world", "os.environ['A'] = 'hello world'"),
+        ("%env A hello world", "os.environ['A'] = 'hello world'"),
+        ('%env A="quoted"', "os.environ['A'] = '\"quoted\"'"),
+        ("%env A=", "os.environ['A'] = ''"),
+        ("%env A", "os.environ['A']"),
+        ("x = %env A=1", "x = os.environ.__setitem__('A', '1')"),
+        ("x = %env A", "x = os.environ['A']"),
+    ],
+    ids=lambda v: v if v.startswith(("%", "x =")) else None,
+)
+def test_env_is_read_and_set_as_ipython_does(line: str, python: str, tmp_path: Path) -> None:
+    result = export(f"{line}\nz = 1", "%%accel_train\ny = z", tmp=tmp_path)
+    assert f"\n{python}\nz = 1\n" in result.script
+
+
+def test_env_with_a_space_in_the_name_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"^Cell \[1\] line 1 uses %env, which has no plain-Python equivalent"):
+        export("%env cmd_args A=B\nz = 1", "%%accel_train\ny = z", tmp=tmp_path)
 
 
 def test_a_time_cell_magic_is_its_body(tmp_path: Path) -> None:
@@ -264,6 +368,8 @@ def test_a_training_cell_magic_is_refused_with_its_line_in_the_cell(tmp_path: Pa
         export("%%accel_train -n 2\nx = 1\n%debug", tmp=tmp_path)
     with pytest.raises(ExportError, match=r"^Cell \[1\] line 2 uses %%bash, which has no plain-Python equivalent"):
         export("%%accel_train -n 2\n%%bash\necho hi", tmp=tmp_path)
+    with pytest.raises(ExportError, match=r"^Cell \[1\] line 2 uses %%accel_train, which has no plain-Python"):
+        export("%%accel_train -n 2\n%%accel_train\nx = 1", tmp=tmp_path)
 
 
 def test_cells_that_are_not_taken_may_hold_any_magic(tmp_path: Path) -> None:
@@ -275,7 +381,17 @@ def test_cells_that_are_not_taken_may_hold_any_magic(tmp_path: Path) -> None:
 
 def test_a_shell_variable_that_is_not_a_python_name_goes_to_the_shell(tmp_path: Path) -> None:
     result = export("!echo $HOME\nx = 1", "%%accel_train\ny = x", tmp=tmp_path)
-    assert "subprocess.run('echo $HOME', shell=True, check=True)" in result.script
+    assert "subprocess.run('echo $HOME', shell=True)\n" in result.script
+
+
+def test_shell_commands_run_as_in_ipython_a_failure_does_not_stop_and_output_holds_stderr(tmp_path: Path) -> None:
+    result = export(
+        "!exit 3\nlines = !echo out; echo err >&2\nafter = 1", "%%accel_train\nx = lines, after", tmp=tmp_path
+    )
+    cell = result.script.split("# --- cell [1]")[1].split("# --- cell [2]")[0].split("\n", 1)[1]
+    namespace: dict = {}
+    exec(compile("import subprocess\n" + cell, "cell", "exec"), namespace)
+    assert namespace["lines"] == ["out", "err"] and namespace["after"] == 1
 
 
 # --- the script, the commands and the SLURM file ---
@@ -336,11 +452,80 @@ def test_the_slurm_file_passes_bash_n_and_runs_torchrun_with_c10d_on_the_first_n
     text = slurm.read_text()
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n" in text and "--gpus-per-node" not in text
     assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
-    command = " ".join(text.split("srun ", 1)[1].replace("\\\n", " ").split())
+    command = " ".join(text.split("\nsrun ", 1)[1].replace("\\\n", " ").split())
     assert command.startswith(
         'torchrun --nnodes "$SLURM_NNODES" --nproc-per-node 3 --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d '
         f'--rdzv-endpoint "$head_node:29600" {tmp_path}/train.py --output-dir accel_export_output'
     )
+
+
+class _Accelerator:
+    """What the script's helpers call on an Accelerator, on one process."""
+
+    is_main_process = True
+
+    def prepare(self, *objects):
+        return objects if len(objects) > 1 else objects[0]
+
+    def prepare_model(self, model, device_placement=None):
+        return model
+
+    prepare_optimizer = prepare_scheduler = prepare_model
+
+    def register_for_checkpointing(self, *objects):
+        pass
+
+    def wait_for_everyone(self):
+        pass
+
+    def get_state_dict(self, model):
+        return model.state_dict()
+
+
+def helpers(script: str) -> dict:
+    """The script's own functions (_accel_record, _accel_save, ...), defined apart from the rest of it."""
+    tree = ast.parse(script)
+    tree.body = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_accel_")]
+    namespace: dict = {}
+    exec(compile(tree, "train.py", "exec"), namespace)
+    return namespace
+
+
+def test_models_optimizers_and_schedulers_prepared_one_at_a_time_are_saved(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    script = helpers(export("%%accel_train\nx = 1", tmp=tmp_path).script)
+    accelerator = _Accelerator()
+    prepared, registered = script["_accel_record"](accelerator)
+    model = accelerator.prepare_model(torch.nn.Linear(2, 1))
+    opt = accelerator.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    sched = accelerator.prepare_scheduler(torch.optim.lr_scheduler.StepLR(opt, 1))
+    script["_accel_save"](accelerator, {"model": model, "opt": opt, "sched": sched}, prepared, registered, tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["model.pt", "opt.pt", "sched.pt"]
+
+
+def test_the_script_warns_when_nothing_prepared_is_left_to_save(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("torch")
+    script = helpers(export("%%accel_train\nx = 1", tmp=tmp_path).script)
+    accelerator = _Accelerator()
+    prepared, registered = script["_accel_record"](accelerator)
+    script["_accel_save"](accelerator, {"x": accelerator.prepare(1)}, prepared, registered, tmp_path / "out")
+    err = capsys.readouterr().err
+    assert err.startswith("warning: no model, optimizer or scheduler") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_slurm_file_asks_for_a_cpu_per_thread_of_each_process_on_a_cpu_plan(tmp_path: Path) -> None:
+    settings = Settings(num_processes=2, threads_per_process=4)
+    result = export("%%accel_train\nx = 1", settings=settings, script="my job.py", tmp=tmp_path)
+    assert "#SBATCH --job-name='my job'\n" in result.slurm
+    assert "#SBATCH --cpus-per-task=8\n# 2 process(es) x 4 thread(s) per node" in result.slurm
+    assert '\nexport SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in result.slurm
+    assert "#SBATCH --cpus-per-task=3\n" in export("%%accel_train", settings=Settings(num_processes=3, threads_per_process=0),
+                                                    tmp=tmp_path).slurm  # fmt: skip
+    result.write()
+    subprocess.run(["bash", "-n", result.slurm_path], check=True, timeout=30)
+    gpus = export("%%accel_train\nx = 1", settings=Settings(num_processes=2, cpu=False, gpus=True), tmp=tmp_path)
+    assert "--cpus-per-task" not in gpus.slurm and "SRUN_CPUS_PER_TASK" not in gpus.slurm
 
 
 def test_paths_that_cannot_be_written_are_refused_in_one_sentence(tmp_path: Path) -> None:
