@@ -8,7 +8,7 @@ from typing import Any
 
 from .runtime import Runtime
 
-__all__ = ["Request", "Plan", "PlanError", "make_plan", "parse_endpoint", "MIXED_PRECISION", "STRATEGIES"]
+__all__ = ["Request", "Plan", "Fallback", "PlanError", "make_plan", "parse_endpoint", "MIXED_PRECISION", "STRATEGIES"]
 
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 # Long enough for rank 0 to evaluate or save while the others wait at a barrier; short enough that a rank which
@@ -37,6 +37,17 @@ class Request:
 
 
 @dataclass(frozen=True)
+class Fallback:
+    """A decision that differs from what the request asked for (or, for the device, from what the runtime has)."""
+
+    topic: str  # the decision, as accelerate spells it: "device", "mixed_precision" or "strategy"
+    wanted: str  # what was asked for; for the device, what the runtime has ("Tesla T4", "TPU v5e-1")
+    using: str  # what the plan uses instead
+    note: str  # why, the sentence that is also in Plan.notes
+    asked: bool = True  # False: nobody asked for `wanted`, the runtime has it (the device)
+
+
+@dataclass(frozen=True)
 class Plan:
     """Every decision, with a note for each one the user did not ask for."""
 
@@ -54,6 +65,7 @@ class Plan:
     node_rank: int = 0
     rdzv_endpoint: str = ""  # HOST:PORT of node 0's rendezvous when num_nodes > 1
     notes: tuple[str, ...] = ()
+    fallbacks: tuple[Fallback, ...] = ()  # each fallback's note is also in `notes`
     runtime: Runtime = field(default_factory=Runtime, compare=False)
     request: Request = field(default_factory=Request, compare=False)
 
@@ -88,6 +100,9 @@ class Plan:
             "node_rank": self.node_rank,
             "rdzv_endpoint": self.rdzv_endpoint,
             "notes": list(self.notes),
+            "fallbacks": [
+                {"topic": f.topic, "wanted": f.wanted, "using": f.using, "asked": f.asked} for f in self.fallbacks
+            ],
         }
 
 
@@ -156,12 +171,16 @@ class _Notes:
     def __init__(self, strict: bool):
         self.strict = strict
         self.items: list[str] = []
+        self.fallbacks: list[Fallback] = []
 
-    def fallback(self, reason: str, outcome: str, fix: str) -> None:
-        """Record "<reason>, so <outcome>." or, under --strict, refuse with "<reason>: <fix> ..."."""
+    def fallback(self, change: tuple[str, str, str], reason: str, outcome: str, fix: str, asked: bool = True) -> None:
+        """Record "<reason>, so <outcome>." and the change (topic, wanted, using) it makes, or, under --strict,
+        refuse with "<reason>: <fix> ..."."""
         if self.strict:
             raise PlanError(f"{reason}: {fix}, or drop --strict to accept that {outcome}.")
-        self.items.append(f"{reason}, so {outcome}.")
+        note = f"{reason}, so {outcome}."
+        self.items.append(note)
+        self.fallbacks.append(Fallback(*change, note=note, asked=asked))
 
     def add(self, sentence: str) -> None:
         self.items.append(sentence)
@@ -174,27 +193,33 @@ def _choose_device(rt: Runtime, req: Request, notes: _Notes) -> str:
         if rt.torch_xla:
             return "xla"
         notes.fallback(
+            ("device", f"TPU {rt.tpu}", "cpu"),
             f"This is a TPU runtime ({rt.tpu}) but torch_xla is not installed",
             "training runs on the CPU",
             "install torch_xla",
+            asked=False,
         )
         return "cpu"
     if rt.gpus:
         gpu = rt.gpus[0]
         if rt.torch_cuda_archs == ():
             notes.fallback(
+                ("device", gpu.name, "cpu"),
                 f"The installed torch is a CPU build and cannot use the GPU ({gpu.name})",
                 "training runs on the CPU",
                 "install a CUDA build of torch or add --cpu",
+                asked=False,
             )
             return "cpu"
         if rt.torch_cuda_archs and gpu.capability and not _arch_runs(gpu.capability, rt.torch_cuda_archs):
             major, minor = gpu.capability
             notes.fallback(
+                ("device", gpu.name, "cpu"),
                 f"The installed torch cannot run the {gpu.name} (sm_{major}{minor}; it is built for "
                 f"{' '.join(rt.torch_cuda_archs)})",
                 "training runs on the CPU",
                 "install a torch build that supports this GPU or add --cpu",
+                asked=False,
             )
             return "cpu"
         return "cuda"
@@ -227,13 +252,19 @@ def _mixed_precision(rt: Runtime, req: Request, device: str, notes: _Notes) -> s
     mp = req.mixed_precision or "no"
     if device == "cpu" and mp in ("fp16", "fp8"):
         notes.fallback(
+            ("mixed_precision", mp, "no"),
             f"{mp} has no effect on the CPU (accelerate would silently ignore it)",
             "training runs in full precision (--mixed-precision bf16 gives bf16 autocast on the CPU)",
             "use --mixed-precision bf16 or no",
         )
         return "no"
     if device == "xla" and mp == "fp16":
-        notes.fallback("TPUs compute in bf16, not fp16", "mixed precision is bf16", "use --mixed-precision bf16")
+        notes.fallback(
+            ("mixed_precision", mp, "bf16"),
+            "TPUs compute in bf16, not fp16",
+            "mixed precision is bf16",
+            "use --mixed-precision bf16",
+        )
         return "bf16"
     if device == "cuda" and mp in ("bf16", "fp8"):
         caps = [g.capability for g in rt.gpus if g.capability]
@@ -241,6 +272,7 @@ def _mixed_precision(rt: Runtime, req: Request, device: str, notes: _Notes) -> s
         if mp == "fp8" and lowest is not None and lowest < (8, 9):
             fallback = "bf16" if lowest >= (8, 0) else "fp16"
             notes.fallback(
+                ("mixed_precision", mp, fallback),
                 f"fp8 needs a GPU of compute capability 8.9 or newer (this one is {lowest[0]}.{lowest[1]})",
                 f"mixed precision is {fallback}",
                 f"use --mixed-precision {fallback}",
@@ -248,13 +280,19 @@ def _mixed_precision(rt: Runtime, req: Request, device: str, notes: _Notes) -> s
             return fallback
         if mp == "bf16" and lowest is not None and lowest < (8, 0):
             notes.fallback(
+                ("mixed_precision", mp, "fp16"),
                 f"bf16 needs a GPU of compute capability 8.0 or newer (this one is {lowest[0]}.{lowest[1]})",
                 "mixed precision is fp16",
                 "use --mixed-precision fp16",
             )
             return "fp16"
     if device == "mps" and mp == "fp8":
-        notes.fallback("fp8 does not run on MPS", "training runs in full precision", "use --mixed-precision no")
+        notes.fallback(
+            ("mixed_precision", mp, "no"),
+            "fp8 does not run on MPS",
+            "training runs in full precision",
+            "use --mixed-precision no",
+        )
         return "no"
     return mp
 
@@ -267,13 +305,16 @@ def _strategy(rt: Runtime, req: Request, device: str, notes: _Notes) -> str:
     if device != "cuda":
         where = "the CPU" if device == "cpu" else device.upper()
         notes.fallback(
+            ("strategy", wanted, "ddp"),
             f"{name} needs CUDA GPUs and this plan runs on {where} (accelerate would silently build a plain setup)",
             "the ranks use DDP",
             "use --strategy ddp",
         )
         return "ddp"
     if wanted == "deepspeed" and not rt.deepspeed:
-        notes.fallback("DeepSpeed is not installed", "the ranks use DDP", "pip install deepspeed")
+        notes.fallback(
+            ("strategy", wanted, "ddp"), "DeepSpeed is not installed", "the ranks use DDP", "pip install deepspeed"
+        )
         return "ddp"
     return wanted
 
@@ -330,6 +371,7 @@ def make_plan(runtime: Runtime, request: Request | None = None) -> Plan:
         node_rank=req.node_rank,
         rdzv_endpoint=req.rdzv_endpoint.strip() if req.num_nodes > 1 else "",
         notes=tuple(notes.items),
+        fallbacks=tuple(notes.fallbacks),
         runtime=runtime,
         request=req,
     )

@@ -65,7 +65,7 @@ def measure(repeats: int = 5) -> Section:
         ["probe()", f"{med(found['PROBE']) * ms:.1f} ms", spread(found["PROBE"], ms, 1)],
         ["make_plan()", f"{med(found['PLAN']) * ms:.2f} ms", spread(found["PLAN"], ms, 2)],
         [
-            "panel (widget + text/plain + text/html)",
+            "panel (text/plain + text/html)",
             f"{med(found['PANEL']) * ms:.1f} ms",
             spread(found["PANEL"], ms, 1),
         ],

@@ -208,13 +208,21 @@ def test_train_in_a_shell_without_kernel_runs_ranks_and_brings_names_back(ip, ca
     ip.user_ns.pop("accel_result", None)
 
 
-def test_panel_without_a_kernel_is_text_and_html_only(ip) -> None:
-    from accel_magic.panel import WIDGET_VIEW, panel_bundle
-
-    plan = ip.run_line_magic("accel_setup", "--quiet")
-    bundle = panel_bundle(plan)
-    assert WIDGET_VIEW not in bundle
-    assert "backend          gloo" in bundle["text/plain"] and "<table>" in bundle["text/html"]
+def test_setup_displays_one_plain_panel_once_and_the_plan_shows_again_when_asked(ip, monkeypatch) -> None:
+    """Text and HTML only: no widget view, which a reopened notebook could not show."""
+    shown: list[dict] = []
+    monkeypatch.setattr(ip.display_pub, "publish", lambda data, *args, **kwargs: shown.append(data))
+    # As in a kernel: the terminal shell of IPython 7 prints values without asking _ipython_display_.
+    monkeypatch.setattr(ip.display_formatter.ipython_display_formatter, "enabled", True)
+    ip.run_cell("plan = %accel_setup -n 2", store_history=True)
+    (bundle,) = shown
+    assert set(bundle) == {"text/plain", "text/html"}
+    assert bundle["text/plain"].startswith("accel_magic: CPU · gloo · 2 ranks × ")
+    assert "<details" in bundle["text/html"] and "widget-view" not in bundle["text/html"]
+    ip.run_cell("plan", store_history=True)  # the display hook shows the plan the magic returned, like any value
+    assert len(shown) == 2 and shown[1] == bundle
+    ip.run_cell("%accel_setup --quiet", store_history=True)
+    assert len(shown) == 2
 
 
 def test_python_m_accel_magic_prints_plan_as_text_and_json_without_secrets(monkeypatch) -> None:
@@ -232,20 +240,6 @@ def test_python_m_accel_magic_prints_plan_as_text_and_json_without_secrets(monke
     assert data["plan"]["backend"] == "gloo" and data["plan"]["num_processes"] == 2
     assert data["runtime"]["versions"]["torch"]
     assert "secret" not in text + raw
-
-
-def test_panel_falls_back_to_text_and_html_when_ipywidgets_is_missing(ip, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A kernel is faked (so a widget would be tried) and ipywidgets made unimportable."""
-    import IPython
-
-    from accel_magic import panel
-
-    plan = ip.run_line_magic("accel_setup", "--quiet")
-    fake_kernel_shell = type("FakeKernelShell", (), {"kernel": object()})()
-    monkeypatch.setattr(IPython, "get_ipython", lambda: fake_kernel_shell)
-    monkeypatch.setitem(sys.modules, "ipywidgets", None)
-    bundle = panel.panel_bundle(plan)
-    assert set(bundle) == {"text/plain", "text/html"} and "gloo" in bundle["text/plain"]
 
 
 def test_the_name_trait_set_after_loading_names_the_ranks_accelerator(ip) -> None:

@@ -208,8 +208,8 @@ def test_plans_of_the_same_decisions_are_equal_yet_each_keeps_the_runtime_and_re
     # Yet each plan still carries its own runtime and request, which the panel and the next launch read.
     assert here.runtime is CPU2 and there.runtime is colab
     assert here.request == Request() and there.request is asked
-    assert "jupyter (shell: none)" in repr(here) and "colab" not in repr(here)
-    assert "colab (shell: colab)" in repr(there) and "12.0 GiB" in repr(there)
+    assert "Jupyter" in repr(here) and "Colab" not in repr(here)
+    assert "Colab" in repr(there) and "12.0 GiB" in repr(there)
     # One decision apart is another plan.
     assert make_plan(CPU2, Request(num_processes=2)) != here
     assert make_plan(CPU2, Request(timeout=30)) != here
@@ -225,8 +225,42 @@ def test_a_plan_cannot_be_changed_in_place() -> None:
 
 def test_plan_text_names_every_decision() -> None:
     text = repr(make_plan(CPU1, Request(num_processes=2, mixed_precision="fp16")))
-    for word in ("platform", "binder", "gloo", "num_processes", "2, as forked ranks", "CPU budget", "notes:"):
+    for word in ("Binder", "gloo", "num_processes", "2, as forked ranks", "1 usable of 64", "asked fp16 → using no"):
         assert word in text
+    assert "note: 2 processes share a budget of 1 CPU" in text
+
+
+# (id, runtime, request, the fallbacks as (topic, wanted, using, asked))
+FALLBACKS = [
+    ("a plan as asked has none", CPU2, Request(num_processes=2, mixed_precision="bf16"), []),
+    (
+        "fp16 and FSDP on CPU are two",
+        CPU2,
+        Request(num_processes=2, mixed_precision="fp16", strategy="fsdp"),
+        [("mixed_precision", "fp16", "no", True), ("strategy", "fsdp", "ddp", True)],
+    ),
+    ("fp16 on TPU", TPU_XLA, Request(mixed_precision="fp16"), [("mixed_precision", "fp16", "bf16", True)]),
+    ("bf16 on a T4", ONE_T4, Request(mixed_precision="bf16"), [("mixed_precision", "bf16", "fp16", True)]),
+    ("fp8 on an A100", A100_RT, Request(mixed_precision="fp8"), [("mixed_precision", "fp8", "bf16", True)]),
+    ("fp8 on MPS", MPS, Request(mixed_precision="fp8"), [("mixed_precision", "fp8", "no", True)]),
+    ("DeepSpeed not installed", TWO_T4, Request(strategy="deepspeed"), [("strategy", "deepspeed", "ddp", True)]),
+    ("a TPU without torch_xla was found, not asked", TPU_NO_XLA, Request(), [("device", "TPU v5e-1", "cpu", False)]),
+    ("a GPU torch cannot run", P100_CU128, Request(), [("device", "Tesla P100-PCIE-16GB", "cpu", False)]),
+    ("a GPU with a CPU build of torch", GPU_CPU_TORCH, Request(), [("device", "Tesla T4", "cpu", False)]),
+    ("--cpu on GPUs is what was asked", TWO_T4, Request(cpu=True), []),
+]
+
+
+@pytest.mark.parametrize(("runtime", "request_", "expected"), [r[1:] for r in FALLBACKS], ids=[r[0] for r in FALLBACKS])
+def test_each_fallback_says_what_was_asked_what_is_used_and_why(
+    runtime: Runtime, request_: Request, expected: list
+) -> None:
+    plan = make_plan(runtime, request_)
+    assert [(f.topic, f.wanted, f.using, f.asked) for f in plan.fallbacks] == expected
+    for fallback in plan.fallbacks:
+        assert fallback.note in plan.notes and FALLBACK.search(fallback.note)
+        assert getattr(plan, fallback.topic) == fallback.using
+    assert plan.to_dict()["fallbacks"] == [dict(topic=t, wanted=w, using=u, asked=a) for t, w, u, a in expected]
 
 
 def test_several_nodes_always_fork_even_one_rank_each_and_keep_their_place() -> None:
