@@ -4,6 +4,7 @@ failure started, a fresh port) and returning rank 0's return value."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -103,6 +104,13 @@ def _port(value: Any) -> int | None:
     return int(text)
 
 
+def _source(function: Callable[..., Any], filename: str) -> str:
+    """What holds the function, as an interrupt names it: the notebook cell that defined it, or its file."""
+    if getattr(function, "__module__", None) == "__main__":
+        return f"{getattr(function, '__name__', 'the function')}'s cell"
+    return os.path.basename(filename) or "the function"
+
+
 def notebook_launcher(
     function: Callable[..., Any],
     args: tuple[Any, ...] = (),
@@ -155,10 +163,12 @@ def notebook_launcher(
         with state_set_aside():  # the function's own Accelerator is not bound by the notebook's settings
             return function(*args)
     max_bytes = 1 << 30
+    filename = getattr(getattr(function, "__code__", None), "co_filename", "")
     outcome = launch_plan(
         FunctionBody(function, tuple(args), max_bytes),
         plan,
-        cell_filename=getattr(getattr(function, "__code__", None), "co_filename", ""),
+        cell_filename=filename,
+        source=_source(function, filename),
         port=port,
         max_bytes=max_bytes,
         receive=receive_payload,

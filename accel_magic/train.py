@@ -61,14 +61,22 @@ class CellBody:
 
 
 def run_in_kernel(shell: Any, cell: str, result_name: str) -> None:
-    """Run the cell in the kernel like a normal cell (its errors show as a normal cell's do)."""
-    from .launch import LaunchOutcome
+    """Run the cell in the kernel like a normal cell (its errors show as a normal cell's do); how it ended goes
+    to `result_name` whatever the end."""
+    from .launch import LaunchOutcome, RankFailure
 
     start = time.perf_counter()
     result = shell.run_cell(cell, store_history=False)
-    outcome = LaunchOutcome(1, time.perf_counter() - start, {0: 0 if result.success else 1})
-    if result.success:
-        shell.user_ns[result_name] = outcome
+    outcome = LaunchOutcome(1, wall_time=time.perf_counter() - start, exitcodes={0: 0 if result.success else 1})
+    err = result.error_in_exec or result.error_before_exec
+    if isinstance(err, KeyboardInterrupt):
+        outcome.interrupted = True
+    elif err is not None:
+        first = str(err).splitlines()[0] if str(err) else ""
+        summary = f"{type(err).__name__}: {first}" if first else type(err).__name__
+        outcome.failures.append(RankFailure(0, 1, "exception", summary, when=time.time()))
+    del err, result  # the exception is IPython's to keep (sys.last_value), not the outcome's
+    shell.user_ns[result_name] = outcome
 
 
 def plan_nodes(plan: Plan, run_id: str = "", rdzv_timeout: float | None = None) -> Nodes:
@@ -85,12 +93,14 @@ def plan_nodes(plan: Plan, run_id: str = "", rdzv_timeout: float | None = None) 
 def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | None, max_bytes: int,
                 receive: Callable[[bytes, str], Any] | None, monitor_interval: float = 0.05,
                 port_option: str = "--port", endpoint_option: str = "--rdzv-endpoint",
-                nodes: Nodes | None = None) -> LaunchOutcome:  # fmt: skip
+                nodes: Nodes | None = None, source: str = "") -> LaunchOutcome:  # fmt: skip
     """Launch `body` as the plan's ranks, with the launch banner first. Raises TrainError before anything
-    starts, LaunchError when the launch failed, KeyboardInterrupt when it was interrupted."""
+    starts, LaunchError when the launch failed, LaunchInterrupted (a KeyboardInterrupt) when it was interrupted;
+    both carry the outcome. `source` is the file of a launched function that is not a notebook cell, which the
+    interrupt's message names instead of the cell."""
     from .accelerator import rank_environment
     from .display import launch_banner, write_rank_text
-    from .launch import LaunchError, launch, launch_error
+    from .launch import LaunchError, launch, launch_error, launch_interrupted
     from .launch.guard import check_port, cuda_fork_blocker
     from .launch.relay import publish_kernel_message
     from .plan import parse_endpoint
@@ -129,12 +139,13 @@ def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | N
         nodes=nodes,
     )
     if outcome.interrupted:
-        raise KeyboardInterrupt
+        raise launch_interrupted(outcome, source)
     if not outcome.ok:
         raise launch_error(outcome, plan.timeout)
     if outcome.receive_error:
         raise LaunchError(
-            f"rank 0's results could not be read back ({outcome.receive_error}); nothing in the notebook changed."
+            f"rank 0's results could not be read back ({outcome.receive_error}); nothing in the notebook changed.",
+            outcome=outcome,
         )
     return outcome
 
@@ -144,6 +155,7 @@ def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name:
     """Run the cell as the plan's ranks and apply rank 0's results to the notebook at once (nothing changes
     when the launch fails)."""
     from .accelerator import rank_accelerator
+    from .launch import LaunchError, LaunchInterrupted
     from .results import receive_payload, unpack_results
 
     ns = shell.user_ns
@@ -161,6 +173,10 @@ def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name:
         outcome = launch_plan(
             body, plan, cell_filename=code.filename, port=port, max_bytes=max_bytes, receive=receive_payload
         )
+    except (LaunchError, LaunchInterrupted) as err:  # a launch that ran and ended badly is an outcome too
+        if err.outcome is not None:
+            ns[result_name] = err.outcome
+        raise
     finally:
         del body, notebook
     apply, skipped = unpack_results(outcome.received, ns) if outcome.received is not None else (None, [])

@@ -3,21 +3,41 @@ ended. One launch, start to finish; each step lives in a module of its own (see 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
 from functools import partial
+from threading import Event
 from typing import Any
 
 from . import elastic, guard
 from .elastic import ONE_NODE, Nodes
-from .outcome import LaunchError, LaunchOutcome, RankFailure, collect, launch_error
+from .outcome import (
+    LaunchError,
+    LaunchInterrupted,
+    LaunchOutcome,
+    RankFailure,
+    collect,
+    launch_error,
+    launch_interrupted,
+)
 from .peers import Peers, reach_node0
 from .rank import RankBody, RankProgram
 from .relay import Pipes, Relay
 from .workdir import Workdir
 
-__all__ = ["launch", "Nodes", "LaunchError", "LaunchOutcome", "RankFailure", "RankBody", "launch_error"]
+__all__ = [
+    "launch",
+    "Nodes",
+    "LaunchError",
+    "LaunchInterrupted",
+    "LaunchOutcome",
+    "RankFailure",
+    "RankBody",
+    "launch_error",
+    "launch_interrupted",
+]
 
 
 def launch(
@@ -86,6 +106,8 @@ def launch(
                 outcome.interrupted = True
                 if peers is not None:
                     peers.tell(f"node {nodes.rank} was interrupted")
+                with contextlib.suppress(KeyboardInterrupt):  # a second interrupt: stop them now
+                    _interrupt(relay, done, known, nprocs)
                 guard.stop(guard.descendants(known))
                 done.wait(10)
             relay.drain()
@@ -114,6 +136,15 @@ def launch(
         outcome.cleanup_time = time.perf_counter() - cleanup_started
         outcome.wall_time = time.perf_counter() - started
     return outcome
+
+
+def _interrupt(relay: Relay, done: Event, known: set[int], nprocs: int, grace: float = 1.0) -> None:
+    """Interrupt the ranks (the front end may not have) and give them `grace` seconds to end on their own, each
+    with a record of where its cell was; what is left is stopped after."""
+    guard.interrupt(guard.descendants(known))
+    deadline = time.monotonic() + grace
+    while not done.is_set() and len(relay.ended) < nprocs and time.monotonic() < deadline:
+        relay.poll(0.05)
 
 
 def _exchange(peers: Peers, relay: Relay, workdir: Workdir, known: set[int], served: Any) -> None:

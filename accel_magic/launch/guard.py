@@ -18,7 +18,16 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["kernel_state_kept", "descendants", "stop", "check_port", "listener", "cuda_fork_blocker", "REAL_EXIT"]
+__all__ = [
+    "kernel_state_kept",
+    "descendants",
+    "interrupt",
+    "stop",
+    "check_port",
+    "listener",
+    "cuda_fork_blocker",
+    "REAL_EXIT",
+]
 
 SIGNALS_KEPT = [s for s in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGINT") if hasattr(signal, s)]
 ELASTIC_LOGGERS = (
@@ -63,6 +72,15 @@ def descendants(known: set[int]) -> list[Any]:
         return [p for p in psutil.Process().children(recursive=True) if p.pid not in known]
     except psutil.Error:
         return []
+
+
+def interrupt(procs: list[Any]) -> None:
+    """SIGINT, without waiting: a rank ends its cell with a KeyboardInterrupt and records where it was."""
+    import psutil
+
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGINT)
 
 
 def terminate(procs: list[Any]) -> None:

@@ -4,6 +4,7 @@ itself."""
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -15,8 +16,10 @@ __all__ = [
     "RankRecords",
     "LaunchOutcome",
     "LaunchError",
+    "LaunchInterrupted",
     "collect",
     "launch_error",
+    "launch_interrupted",
     "error_line",
 ]
 
@@ -123,6 +126,38 @@ class LaunchError(Exception):
         if self.details:
             lines += self.details.rstrip("\n").split("\n")
         return lines
+
+
+class LaunchInterrupted(KeyboardInterrupt):
+    """An interrupted launch: a KeyboardInterrupt that shows one line saying the ranks were stopped and where the
+    first of them was, with none of the frames it passed through."""
+
+    def __init__(self, message: str, outcome: LaunchOutcome | None = None):
+        super().__init__(message)
+        self.outcome = outcome
+
+    def _render_traceback_(self) -> list[str]:
+        return [error_line("KeyboardInterrupt", str(self))]
+
+
+# Front ends and notebooks name an error by its class (the reply's ename): this one is a KeyboardInterrupt to them.
+LaunchInterrupted.__name__ = LaunchInterrupted.__qualname__ = "KeyboardInterrupt"
+
+CELL_LINE = re.compile(r"^  Cell line (\d+), in ", re.MULTILINE)
+
+
+def launch_interrupted(outcome: LaunchOutcome, source: str = "") -> LaunchInterrupted:
+    """The one line an interrupted launch ends with: how many ranks were stopped and the line of the cell (or of
+    `source`, what holds a launched function: "train.py", "train's cell") where this node's first rank was, when
+    it left one."""
+    n = outcome.num_processes
+    stopped = f"the {n} ranks were stopped" if n > 1 else "the rank was stopped"
+    first = outcome.first_rank
+    lines = [int(m) for f in outcome.failures if f.rank == first for m in CELL_LINE.findall(f.traceback)]
+    if lines:
+        where = f"line {lines[-1]} of {source}" if source else f"cell line {lines[-1]}"
+        stopped += f" (rank {first} was at {where})"
+    return LaunchInterrupted(stopped, outcome)
 
 
 def abrupt(rank: int, code: int | None) -> RankFailure:

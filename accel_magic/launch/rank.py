@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -69,6 +70,7 @@ def cell_traceback(err: BaseException, cell_filename: str) -> str:
     frames = traceback.extract_tb(err.__traceback__)
     start = next((i for i, f in enumerate(frames) if f.filename == cell_filename), None)
     kept = frames[start:] if start is not None else frames[-1:]
+    kept = [f for f in kept if f.filename != __file__] or kept  # not interrupt_once, where an interrupt is raised
     lines = ["Traceback (most recent call last):\n"]
     for f in kept:
         where = f"Cell line {f.lineno}" if f.filename == cell_filename else f'File "{f.filename}", line {f.lineno}'
@@ -77,6 +79,13 @@ def cell_traceback(err: BaseException, cell_filename: str) -> str:
             lines.append(f"    {f.line.strip()}\n")
     lines += traceback.format_exception_only(type(err), err)
     return "".join(lines)
+
+
+def interrupt_once(signum: int, frame: Any) -> None:
+    """SIGINT in a rank: a KeyboardInterrupt where the cell is, once; the front end and the kernel may both send
+    one, and a second must not cut short the record of the first."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def versions_line() -> str:
@@ -132,6 +141,7 @@ class RankProgram:
         start = time.time()
         phase: Phase = "before"
         try:
+            signal.signal(signal.SIGINT, interrupt_once)
             self.workdir.write("started", rank, os.getpid())
             self._redirect(local)
             os.environ.update(self.env)

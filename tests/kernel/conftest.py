@@ -70,7 +70,7 @@ class LiveKernel:
         self.km, self.kc = start_new_kernel(kernel_name="python3")
 
     def execute(self, code: str, timeout: float = 120) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        msg_id = self.kc.execute(code)
+        msg_id = self.kc.execute(code, stop_on_error=False)  # ipykernel would refuse a cell sent just after an error
         return self.collect(msg_id, timeout)
 
     def collect(self, msg_id: str, timeout: float = 120) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -85,6 +85,8 @@ class LiveKernel:
             if kind in ("stream", "error", "display_data", "execute_result"):
                 outputs.append({"output_type": kind, **content})
         reply = self.kc.get_shell_msg(timeout=timeout)
+        while reply["parent_header"].get("msg_id") != msg_id:  # a kernel_info reply left from a slow start
+            reply = self.kc.get_shell_msg(timeout=timeout)
         return reply["content"], outputs
 
     def text(self, code: str, timeout: float = 120) -> str:

@@ -225,13 +225,20 @@ def test_interrupting_the_drop_in_stops_every_rank_within_seconds(live_kernel) -
     live_kernel.execute("import psutil\nfrom accel_magic import notebook_launcher")
     live_kernel.execute(
         "def forever():\n    import time\n    from accelerate import Accelerator\n    Accelerator()\n"
-        "    while True:\n        time.sleep(0.1)"
+        "    print('ready', flush=True)\n    while True: time.sleep(0.1)"
     )
     msg_id = live_kernel.kc.execute("notebook_launcher(forever, num_processes=2)")
-    time.sleep(4)
+    while True:  # until rank 0 is in its loop
+        msg = live_kernel.kc.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") == msg_id and "ready" in msg["content"].get("text", "").split("\n"):
+            break
+    time.sleep(0.5)  # rank 0 is past its print, in the loop
     start = time.monotonic()
     live_kernel.km.interrupt_kernel()
-    reply, _ = live_kernel.collect(msg_id, timeout=30)
+    reply, outputs = live_kernel.collect(msg_id, timeout=30)
     assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
     assert time.monotonic() - start < 5
+    (error,) = [o for o in outputs if o["output_type"] == "error"]
+    assert error["evalue"] == "the 2 ranks were stopped (rank 0 was at line 6 of forever's cell)"
+    assert len(error["traceback"]) == 1, error["traceback"]
     assert live_kernel.text("print(psutil.Process().children(recursive=True))").strip() == "[]"

@@ -332,6 +332,77 @@ def test_interrupt_stops_every_rank_within_seconds(live_kernel) -> None:
     assert "world 2" in live_kernel.text("%%accel_train -n 2 --no-return\nprint('world', accelerator.num_processes)")
 
 
+# Cell line 3 (the magic's line is not the cell's) is where rank 0 is when the interrupt comes; the loop is on one
+# line, as the interrupt lands in the sleep or at the loop's jump, by which of the rank's threads the signal reaches.
+LOOP_ON_RANK_0 = "%%accel_train -n 2\nimport time\nprint('ready', flush=True)\nwhile True: time.sleep(0.05)\n"
+
+
+def interrupt_when_ready(kernel, code: str) -> tuple[dict, list[dict], float]:
+    """Run a cell, interrupt it once rank 0 printed 'ready' (as the stop button does), and return the reply, the
+    outputs and how long the cell took to end after the interrupt."""
+    msg_id = kernel.kc.execute(code, stop_on_error=False)
+    outputs = []
+    while "ready" not in "".join(o.get("text", "") for o in outputs).splitlines():  # rank 1's reads [rank 1] ready
+        msg = kernel.kc.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            outputs.append({"output_type": "stream", **msg["content"]})
+    time.sleep(0.5)  # rank 0 is past its print, in the loop
+    start = time.monotonic()
+    kernel.km.interrupt_kernel()
+    reply, rest = kernel.collect(msg_id, timeout=30)
+    return reply, outputs + rest, time.monotonic() - start
+
+
+def test_an_interrupt_ends_with_one_line_naming_rank_0s_cell_line_and_none_of_our_frames(live_kernel) -> None:
+    live_kernel.execute(SETUP)
+    live_kernel.execute("import psutil")
+    reply, outputs, took = interrupt_when_ready(live_kernel, LOOP_ON_RANK_0)
+    (error,) = [o for o in outputs if o["output_type"] == "error"]
+    message = "the 2 ranks were stopped (rank 0 was at cell line 3)"
+    assert (reply["status"], reply["ename"], reply["evalue"]) == ("error", "KeyboardInterrupt", message)
+    assert (error["ename"], error["evalue"]) == ("KeyboardInterrupt", message)
+    assert len(error["traceback"]) == 1 and "\n" not in error["traceback"][0], error["traceback"]
+    assert re.sub(r"\x1b\[[0-9;]*m", "", error["traceback"][0]) == f"KeyboardInterrupt: {message}"
+    assert took < 5, took
+    assert live_kernel.text("print(psutil.Process().children(recursive=True))").strip() == "[]"
+
+
+def test_accel_result_says_interrupted_or_failed_after_every_launch_that_ran(live_kernel) -> None:
+    live_kernel.execute(SETUP)
+    show = "print(repr(accel_result).split(':')[0])"
+    interrupt_when_ready(live_kernel, LOOP_ON_RANK_0)  # the kernel's first launch
+    assert live_kernel.text(show).strip() == "<accel_train interrupted"
+    live_kernel.execute("%%accel_train -n 2\nx = 1")
+    assert live_kernel.text(show).strip() == "<accel_train ok"
+    interrupt_when_ready(live_kernel, LOOP_ON_RANK_0)  # never the earlier launch's "ok"
+    assert live_kernel.text(show).strip() == "<accel_train interrupted"
+    reply, _ = live_kernel.execute("%%accel_train -n 2\nraise ValueError('x')")
+    assert reply["ename"] == "LaunchError"
+    assert live_kernel.text(show).strip() == "<accel_train failed"
+    reply, _ = live_kernel.execute("%%accel_train -n 0\nx = 2")  # refused before it starts: not a launch
+    assert reply["ename"] == "UsageError"
+    assert live_kernel.text(show).strip() == "<accel_train failed"
+    assert live_kernel.text(
+        "%%accel_train -n 2\nx = accelerator.num_processes\naccelerator.print('world', x)"
+    ).strip() == ("accel_train: 2 processes on cpu (gloo), 1 thread each; collective timeout 900 s\nworld 2")
+    assert live_kernel.text(show).strip() == "<accel_train ok"
+
+
+def test_accel_result_of_a_cell_run_in_the_kernel_says_failed_or_interrupted(live_kernel) -> None:
+    live_kernel.execute(SETUP)
+    show = "print(repr(accel_result).split(';')[0])"
+    live_kernel.execute("%%accel_train -n 1\nraise ValueError('x')")
+    assert live_kernel.text(show).strip() == "<accel_train failed: 1 processes, wall time " + (
+        live_kernel.text("print(f'{accel_result.wall_time:.2f} s')").strip()
+    )
+    assert live_kernel.text("print(accel_result.failures[0].summary)").strip() == "ValueError: x"
+    _, outputs, _ = interrupt_when_ready(live_kernel, LOOP_ON_RANK_0.replace("-n 2", "-n 1"))
+    assert [o["ename"] for o in outputs if o["output_type"] == "error"] == ["KeyboardInterrupt"]  # IPython's own
+    assert live_kernel.text(show).startswith("<accel_train interrupted: 1 processes")
+    live_kernel.execute("%%accel_train -n 1\nx = 1")
+    assert live_kernel.text(show).startswith("<accel_train ok: 1 processes")
+
+
 def test_nothing_is_left_behind_after_good_and_bad_launches(kernel_run) -> None:
     snapshot = (
         "import os, glob, signal, psutil, tempfile, time\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -168,3 +169,27 @@ def test_first_line_drops_gloo_source_prefix() -> None:
 def test_a_users_own_timeout_error_is_an_ordinary_exception() -> None:
     assert rank.classify(TimeoutError("timed out waiting for the lock")) == "exception"
     assert rank.classify(RuntimeError("[x.cc:1] Timed out waiting 3000ms for recv operation to complete")) == "timeout"
+
+
+def test_a_rank_turns_the_first_sigint_into_a_keyboardinterrupt_at_the_cell_line_and_ignores_a_second() -> None:
+    import linecache
+    import signal
+    import time
+
+    source = "import os, signal, time\nwhile True:\n    time.sleep(0.01)\n"
+    linecache.cache["<cell under test>"] = (len(source), None, source.splitlines(True), "<cell under test>")
+    saved = signal.signal(signal.SIGINT, rank.interrupt_once)
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            signal.setitimer(signal.ITIMER_REAL, 0.05)  # SIGALRM -> SIGINT, as the front end sends it
+            signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+            exec(compile(source, "<cell under test>", "exec"), {})
+        os.kill(os.getpid(), signal.SIGINT)  # the kernel's SIGINT after the front end's: no second exception
+        time.sleep(0.05)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, saved)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        del linecache.cache["<cell under test>"]
+    tb = rank.cell_traceback(caught.value, "<cell under test>")
+    assert re.search(r"Cell line [23], in <module>", tb) and "interrupt_once" not in tb and "rank.py" not in tb

@@ -3,7 +3,15 @@ process was seen to end, become the failures, durations and exit codes of the ou
 
 from __future__ import annotations
 
-from accel_magic.launch.outcome import LaunchOutcome, RankFailure, RankRecords, collect, launch_error
+from accel_magic.launch.outcome import (
+    LaunchOutcome,
+    RankFailure,
+    RankRecords,
+    collect,
+    error_line,
+    launch_error,
+    launch_interrupted,
+)
 
 VALUE_ERROR_TB = "Traceback (most recent call last):\n  Cell line 2, in <module>\n    boom()\nValueError: x\n"
 
@@ -146,3 +154,39 @@ def test_across_machines_a_rendezvous_that_never_formed_says_how_to_start_the_no
         "60 s): start the cell on every node within 60 s (--timeout), each with its own --node-rank and the same "
         "--nodes and --rdzv-endpoint; nothing was trained."
     )
+
+
+def interrupted(rank: int, *cell_lines: int, first_rank: int = 0, num_processes: int = 2) -> LaunchOutcome:
+    """An interrupted outcome whose `rank` recorded a KeyboardInterrupt at these cell lines, outermost first."""
+    frames = "".join(f"  Cell line {n}, in <module>\n    step()\n" for n in cell_lines)
+    tb = f"Traceback (most recent call last):\n{frames}KeyboardInterrupt\n"
+    outcome = LaunchOutcome(num_processes, first_rank, interrupted=True)
+    outcome.failures.append(RankFailure(rank, 1, "exception", "KeyboardInterrupt", tb, when=1.0))
+    return outcome
+
+
+def test_an_interrupt_names_the_cell_line_where_rank_0_was_in_one_line() -> None:
+    err = launch_interrupted(interrupted(0, 4))
+    assert isinstance(err, KeyboardInterrupt) and type(err).__name__ == "KeyboardInterrupt"
+    assert str(err) == "the 2 ranks were stopped (rank 0 was at cell line 4)"
+    assert err._render_traceback_() == [error_line("KeyboardInterrupt", str(err))]
+
+
+def test_an_interrupt_inside_a_function_of_the_cell_names_the_innermost_cell_line() -> None:
+    assert str(launch_interrupted(interrupted(0, 12, 3))) == "the 2 ranks were stopped (rank 0 was at cell line 3)"
+
+
+def test_an_interrupt_before_rank_0_reached_the_cell_says_only_that_the_ranks_were_stopped() -> None:
+    assert str(launch_interrupted(interrupted(1, 4))) == "the 2 ranks were stopped"
+    assert str(launch_interrupted(LaunchOutcome(3, interrupted=True))) == "the 3 ranks were stopped"
+    assert str(launch_interrupted(interrupted(0, num_processes=1))) == "the rank was stopped"
+
+
+def test_an_interrupt_names_this_nodes_first_rank_and_a_functions_file_instead_of_a_cell() -> None:
+    outcome = interrupted(2, 7, first_rank=2)
+    assert str(launch_interrupted(outcome)) == "the 2 ranks were stopped (rank 2 was at cell line 7)"
+    named = launch_interrupted(interrupted(0, 9), "train.py")
+    assert str(named) == "the 2 ranks were stopped (rank 0 was at line 9 of train.py)"
+    in_cell = launch_interrupted(interrupted(0, 6), "forever's cell")
+    assert str(in_cell) == "the 2 ranks were stopped (rank 0 was at line 6 of forever's cell)"
+    assert named.outcome is not None and repr(named.outcome).startswith("<accel_train interrupted: 2 processes")
