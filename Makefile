@@ -6,7 +6,7 @@ STACKS := colab kaggle minimum
 # The layers every pinned stack runs: everything but the binder/ build, which has a Python of its own.
 PINNED_LAYERS := tests/unit tests/shell tests/kernel
 
-.PHONY: env envs quickstart test lint test-main $(addprefix test-,$(STACKS)) bench
+.PHONY: env envs quickstart test lint test-main $(addprefix test-,$(STACKS)) bench chromium screenshots
 
 $(VENV)/.installed: requirements/test.txt pyproject.toml
 	scripts/make_env.sh $(VENV) requirements/test.txt
@@ -26,9 +26,18 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check accel_magic tests scripts bench
 	$(VENV)/bin/ruff format --check accel_magic tests scripts bench
 
-# Today's releases: every layer, the binder/ environment included.
-test-main: $(VENV)/.installed
+# The browser layer drives Debian's chromium (never a browser downloaded by a test tool); root installs it.
+chromium:
+	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
+# Today's releases: every layer, the binder/ environment and the browser included (classic Notebook runs from
+# Colab's environment).
+test-main: $(VENV)/.installed .venv-colab/.installed chromium
 	$(VENV)/bin/python -m pytest -ra
+
+# Takes docs/screenshots anew from JupyterLab (the browser layer checks that they are current).
+screenshots: $(VENV)/.installed chromium
+	ACCEL_MAGIC_SCREENSHOTS=write $(VENV)/bin/python -m pytest -q tests/browser/test_screenshots.py
 
 # Colab's runtime (requirements/colab.txt), Kaggle's, and every dependency at its declared minimum.
 $(addprefix test-,$(STACKS)): test-%: .venv-%/.installed

@@ -1,0 +1,265 @@
+"""Real Jupyter front ends driven in headless Chromium: a server started on 127.0.0.1 with a token, a notebook
+opened, run, interrupted, saved and reopened through the page, as a user would.
+
+- JupyterLab 4 and Notebook 7 run from this environment (today's stack);
+- classic Notebook 6.5.7 runs from the Colab environment (.venv-colab: ipywidgets 7.7.1, IPython 7.34), so the
+  widget stack is Colab's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nbformat
+
+ROOT = Path(__file__).parents[2]
+COLAB_PYTHON = ROOT / ".venv-colab" / "bin" / "python"
+OUTPUTS = ".jp-OutputArea-output, .output_subarea"  # one rendered output (Lab and Notebook 7; classic)
+
+
+def chromium_path() -> str | None:
+    """Debian's chromium (installed by `make test` when missing); never a browser downloaded by a test tool."""
+    return os.environ.get("ACCEL_MAGIC_CHROMIUM") or shutil.which("chromium")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_notebook(path: Path, *sources: str) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in sources]
+    nbformat.write(nb, path)
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    name: str  # "lab", "notebook7" or "classic"
+    python: str  # the environment the server (and so the kernel) runs in
+
+    @property
+    def classic(self) -> bool:
+        return self.name == "classic"
+
+    def command(self, port: int, token: str, root: Path) -> list[str]:
+        module = "jupyterlab" if self.name == "lab" else "notebook"
+        if self.classic:
+            options = [f"--NotebookApp.token={token}", f"--notebook-dir={root}"]
+        else:
+            options = [f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"]
+        root_user = ["--allow-root"] if os.geteuid() == 0 else []
+        return [self.python, "-m", module, "--no-browser", "--ip=127.0.0.1", f"--port={port}", *root_user, *options]
+
+    def path(self, notebook: str) -> str:
+        return f"/lab/tree/{notebook}" if self.name == "lab" else f"/notebooks/{notebook}"
+
+
+class Server:
+    """A Jupyter server on 127.0.0.1 with a token, its files in `root`, its settings and runtime files in a
+    folder of its own (no news prompt, nothing written to the user's Jupyter folders)."""
+
+    def __init__(self, front: FrontEnd, root: Path, theme: str = "JupyterLab Light") -> None:
+        self.front, self.root = front, root
+        self.port, self.token = free_port(), secrets.token_hex(16)
+        home = root.parent / f"{root.name}-jupyter"
+        for plugin, values in (("apputils-extension/notification", {"fetchNews": "false"}),
+                               ("notebook-extension/tracker", {"autoStartDefaultKernel": True}),
+                               ("apputils-extension/themes", {"theme": theme})):  # fmt: skip
+            settings = home / "lab-settings" / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
+            settings.parent.mkdir(parents=True, exist_ok=True)
+            settings.write_text(json.dumps(values))
+        env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(home / "lab-settings"),
+                   JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_CONFIG_DIR=str(home / "config"))  # fmt: skip
+        self.log = home / "server.log"
+        self.process = subprocess.Popen(
+            front.command(self.port, self.token, root),
+            cwd=root,
+            env=env,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.api("GET", "/api/status")
+                break
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the {front.name} server did not start:\n{self.log.read_text()[-3000:]}"
+                    ) from None
+                time.sleep(0.3)
+
+    def url(self, notebook: str) -> str:
+        return f"http://127.0.0.1:{self.port}{self.front.path(notebook)}?token={self.token}"
+
+    def api(self, method: str, path: str) -> Any:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}", method=method, headers={"Authorization": f"token {self.token}"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            body = response.read()
+        return json.loads(body) if body else None
+
+    def shut_down_kernels(self) -> None:
+        for kernel in self.api("GET", "/api/kernels"):
+            self.api("DELETE", f"/api/kernels/{kernel['id']}")
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
+
+
+class NotebookPage:
+    """One notebook open in the browser, driven through the front end's own UI."""
+
+    def __init__(self, page: Any, server: Server, notebook: str) -> None:
+        self.page, self.server, self.front = page, server, server.front
+        self.console: list[str] = []  # the page's console errors and warnings, shown when a check fails
+        page.on(
+            "console", lambda m: self.console.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None
+        )
+        self.received: list[str] = []  # the kernel messages' types that reached the page, in order
+        page.on("websocket", lambda ws: ws.on("framereceived", self._received))
+        page.goto(server.url(notebook))
+        if self.front.classic:
+            page.wait_for_function(
+                "window.Jupyter && Jupyter.notebook && Jupyter.notebook.kernel && Jupyter.notebook.kernel.is_connected()",
+                timeout=60_000,
+            )
+            # ipywidgets 7 asks the kernel which widgets it has once the page is loaded, and drops the models the
+            # kernel does not know of when the answer comes: a rank's widgets made before the answer would go.
+            self._wait(lambda: "comm_info_reply" in self.received, "the widget manager's comm_info_reply")
+        else:
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            self._kernel_ready()
+
+    def _received(self, payload: str | bytes) -> None:
+        text = payload if isinstance(payload, str) else payload.decode("utf-8", "replace")
+        found = re.search(r'"msg_type": ?"(\w+)"', text)
+        if found:
+            self.received.append(found.group(1))
+
+    def _wait(self, ready: Any, what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} did not come within {timeout:g} s")
+            self.page.wait_for_timeout(100)  # lets the page's events (websocket frames) be delivered
+
+    def _kernel_ready(self, timeout: float = 60) -> None:
+        """Lab and Notebook 7: the kernel is idle; a "Select Kernel" dialog, where one shows, is accepted."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dialog = self.page.locator(".jp-Dialog .jp-mod-accept")
+            if dialog.count():
+                dialog.first.click()
+            elif self.page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() and any(
+                s["kernel"]["execution_state"] == "idle" for s in self.server.api("GET", "/api/sessions")
+            ):
+                time.sleep(0.5)  # a dialog that shows late
+                if not self.page.locator(".jp-Dialog").count():
+                    return
+            time.sleep(0.2)
+        raise AssertionError("the notebook's kernel did not become idle")
+
+    def run_all(self) -> None:
+        if self.front.classic:
+            self.page.evaluate("Jupyter.notebook.execute_all_cells()")
+        else:
+            self.page.click(".lm-MenuBar-itemLabel:text-is('Run')")
+            self.page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
+
+    def run_cell(self, index: int) -> None:
+        if self.front.classic:
+            self.page.evaluate(f"Jupyter.notebook.execute_cells([{index}])")
+        else:
+            self.cells().nth(index).locator(".jp-InputArea-editor").click()
+            self.page.keyboard.press("Shift+Enter")
+
+    def stop(self) -> None:
+        """The toolbar's stop (interrupt the kernel) button."""
+        if self.front.classic:
+            self.page.click("button[data-jupyter-action='jupyter-notebook:interrupt-kernel']")
+        else:
+            self.page.click(
+                "jp-button[data-command='notebook:interrupt-kernel'], [data-command='notebook:interrupt-kernel']"
+            )
+
+    def save(self) -> None:
+        if self.front.classic:
+            self.page.evaluate("Jupyter.notebook.save_notebook()")
+        else:
+            self.page.keyboard.press("Control+s")
+        deadline = time.monotonic() + 20
+        while _has_no_outputs_on_disk(self.server.root, self.page) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def cells(self) -> Any:
+        return self.page.locator(".cell" if self.front.classic else ".jp-Notebook .jp-Cell")
+
+    def output_text(self, index: int) -> str:
+        """What the cell's outputs show, as text."""
+        cell = self.cells().nth(index)
+        return "\n".join(cell.locator(OUTPUTS).all_inner_texts())
+
+    def wait_for_output(self, index: int, text: str, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            shown = self.output_text(index)
+            if text in shown:
+                return shown
+            if time.monotonic() > deadline:
+                shot = self.server.root.parent / f"{self.front.name}-failed.png"
+                self.page.screenshot(path=str(shot), full_page=True)
+                console = "\n".join(self.console[-20:])
+                raise AssertionError(
+                    f"{text!r} did not appear in cell {index}'s output ({shot}); it shows:\n{shown}\nconsole:\n{console}"
+                )
+            time.sleep(0.2)
+
+    def wait_until_idle(self, timeout: float = 60) -> None:
+        if self.front.classic:
+            self.page.wait_for_function(
+                "Jupyter.notebook.kernel && Jupyter.notebook.kernel._msg_queue !== undefined"
+                " && !document.querySelector('#kernel_indicator_icon.kernel_busy_icon')",
+                timeout=timeout * 1000,
+            )
+        else:
+            self.page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout * 1000)
+
+
+def _has_no_outputs_on_disk(root: Path, page: Any) -> bool:
+    """Until the save lands, the notebook file on disk still has no outputs."""
+    for path in root.glob("*.ipynb"):
+        nb = json.loads(path.read_text())
+        if any(cell.get("outputs") for cell in nb["cells"]):
+            return False
+    return True
+
+
+def front_ends() -> list[FrontEnd]:
+    return [
+        FrontEnd("lab", sys.executable),
+        FrontEnd("notebook7", sys.executable),
+        FrontEnd("classic", str(COLAB_PYTHON)),
+    ]

@@ -1,0 +1,117 @@
+"""What a user sees in JupyterLab 4, Notebook 7 and classic Notebook 6.5.7 (Colab's widget stack): the panel,
+a rank-0 progress bar, the other ranks' lines, the stop button, and the panel after the notebook is reopened or
+exported."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+from frontends import write_notebook
+
+SETUP = "%load_ext accel_magic\n%accel_setup -n 2"
+TRAIN = """\
+%%accel_train -n 2
+from tqdm.auto import tqdm
+import time
+for step in tqdm(range(20), disable=accelerator.process_index != 0):
+    time.sleep(0.05)
+print("done on rank", accelerator.process_index)"""
+LONG = """\
+%%accel_train -n 2
+import time
+print("started on rank", accelerator.process_index)
+while True:
+    time.sleep(0.1)"""
+WIDGET_ERRORS = ("Error displaying widget", "could not be displayed", "model not found")
+
+
+def panel_readable(text: str) -> None:
+    assert re.search(r"\bcpu\b", text, re.I) and "gloo" in text, text
+    assert not any(error in text for error in WIDGET_ERRORS), text
+
+
+def test_the_panel_a_rank_0_bar_at_100_and_the_other_ranks_lines_render(server, open_notebook) -> None:
+    write_notebook(server.root / "train.ipynb", SETUP, TRAIN)
+    nb = open_notebook("train.ipynb")
+    nb.run_all()
+    for line in ("[rank 1] done on rank 1", "done on rank 0", "20/20"):
+        shown = nb.wait_for_output(1, line)
+    panel_readable(nb.wait_for_output(0, "gloo"))
+    assert re.search(r"100%[\s\S]*20/20", shown), shown  # tqdm.auto's widget, forwarded from rank 0
+
+
+def test_the_stop_button_ends_a_two_rank_cell_with_one_short_line_and_the_next_cell_runs(server, open_notebook) -> None:
+    write_notebook(server.root / "stop.ipynb", "%load_ext accel_magic", LONG, "print('next cell ran')")
+    nb = open_notebook("stop.ipynb")
+    nb.run_all()
+    nb.wait_for_output(1, "[rank 1] started on rank 1")
+    clicked = time.monotonic()
+    nb.stop()
+    shown = nb.wait_for_output(1, "KeyboardInterrupt", timeout=30)
+    took = time.monotonic() - clicked
+    error = shown[shown.index("KeyboardInterrupt") :].strip()
+    assert re.fullmatch(r"KeyboardInterrupt: the 2 ranks were stopped \(rank 0 was at cell line \d\)", error), error
+    assert took < 15, took  # seconds, not the collective timeout
+    nb.run_cell(2)
+    nb.wait_for_output(2, "next cell ran")
+
+
+def test_the_panel_stays_readable_when_the_notebook_is_reopened_without_a_kernel_and_exported(
+    server, open_notebook, front
+) -> None:
+    write_notebook(server.root / "panel.ipynb", SETUP)
+    nb = open_notebook("panel.ipynb")
+    nb.run_all()
+    panel_readable(nb.wait_for_output(0, "gloo"))
+    nb.save()
+    server.shut_down_kernels()
+    nb.page.close()
+    again = open_notebook("panel.ipynb")
+    panel_readable(again.wait_for_output(0, "gloo", timeout=30))
+    html = server.root / "panel.html"
+    subprocess.run(
+        [front.python, "-m", "nbconvert", "--to", "html", "--output", html.name, "panel.ipynb"],
+        cwd=server.root,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    again.page.goto(html.as_uri())
+    panel_readable(again.page.inner_text("body"))
+
+
+def test_the_panel_is_compact_and_legible_in_jupyterlabs_dark_theme_at_720_px(chromium, tmp_path) -> None:
+    from frontends import FrontEnd, NotebookPage, Server
+
+    root = tmp_path / "dark"
+    root.mkdir()
+    write_notebook(root / "dark.ipynb", SETUP + " --mixed-precision fp16 --strategy fsdp")
+    server = Server(FrontEnd("lab", sys.executable), root, theme="JupyterLab Dark")
+    page = chromium.new_page(viewport={"width": 720, "height": 900})
+    try:
+        nb = NotebookPage(page, server, "dark.ipynb")
+        page.keyboard.press("Control+b")  # the file browser folded: the notebook as wide as the window
+        nb.run_all()
+        nb.wait_for_output(0, "gloo")
+        panel = page.locator(".accel-magic-panel")
+        looks = panel.evaluate(
+            """p => {
+                const lum = c => { const [r, g, b] = c.match(/\\d+/g).map(Number); return (r + g + b) / 765; };
+                let bg = 'rgba(0, 0, 0, 0)', e = p;
+                while (e && /rgba\\(0, 0, 0, 0\\)|transparent/.test(bg)) { bg = getComputedStyle(e).backgroundColor; e = e.parentElement; }
+                const headline = p.firstElementChild, line = parseFloat(getComputedStyle(headline).lineHeight);
+                return {text: lum(getComputedStyle(p).color), background: lum(bg), lines: headline.getBoundingClientRect().height / line,
+                        rows: [...p.querySelectorAll(':scope > table tr')].map(r => r.getBoundingClientRect().height),
+                        width: p.getBoundingClientRect().width};
+            }"""
+        )
+        assert looks["text"] > 0.6 and looks["background"] < 0.3, looks  # light text on the dark theme
+        assert looks["lines"] < 1.6, looks  # the headline on one line at 720 px
+        assert len(looks["rows"]) == 2, looks  # mixed_precision and strategy: asked -> using
+        assert looks["width"] <= 720, looks
+    finally:
+        page.close()
+        server.close()
