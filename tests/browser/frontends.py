@@ -211,7 +211,7 @@ class NotebookPage:
         else:
             self.page.keyboard.press("Control+s")
         deadline = time.monotonic() + 20
-        while _has_no_outputs_on_disk(self.server.root, self.page) and time.monotonic() < deadline:
+        while _has_no_outputs_on_disk(self.server.root) and time.monotonic() < deadline:
             time.sleep(0.2)
 
     def cells(self) -> Any:
@@ -248,7 +248,7 @@ class NotebookPage:
             self.page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout * 1000)
 
 
-def _has_no_outputs_on_disk(root: Path, page: Any) -> bool:
+def _has_no_outputs_on_disk(root: Path) -> bool:
     """Until the save lands, the notebook file on disk still has no outputs."""
     for path in root.glob("*.ipynb"):
         nb = json.loads(path.read_text())
