@@ -29,7 +29,11 @@ def free_port() -> int:
 
 @pytest.fixture
 def two_kernels(live_kernels):
-    return [live_kernels(), live_kernels()]
+    """Two kernels, each with accel_magic loaded and the same seeded model and optimizer."""
+    kernels = [live_kernels(), live_kernels()]
+    for kernel in kernels:
+        kernel.text(SETUP)
+    return kernels
 
 
 def train_on(kernels: list[Any], options: str, body: str, timeout: float = 120,
@@ -58,8 +62,6 @@ def no_children(kernel: Any) -> str:
 
 
 def test_two_kernels_train_as_one_group_of_four_ranks_and_end_with_identical_weights(two_kernels) -> None:
-    for kernel in two_kernels:
-        kernel.text(SETUP)
     port = free_port()
     body = """\
 model, opt = accelerator.prepare(model, opt)
@@ -94,8 +96,6 @@ print(f"rank {accelerator.process_index} of {accelerator.num_processes}, local {
 
 
 def test_a_raise_on_node_1_ends_both_cells_within_seconds_and_node_1_names_the_rank_and_line(two_kernels) -> None:
-    for kernel in two_kernels:
-        kernel.text(SETUP)
     port = free_port()
     body = """\
 import time

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from IPython import get_ipython
 from IPython.core.error import UsageError
 from IPython.testing.globalipapp import start_ipython
 
@@ -32,16 +31,6 @@ WITHOUT_ACCEL_MAGIC = (
     "import runpy, sys\nsys.modules['accel_magic'] = None\nsys.argv = sys.argv[1:]\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')"
 )
-
-
-@pytest.fixture
-def ip():
-    shell = get_ipython()
-    shell.run_line_magic("load_ext", "accel_magic")
-    yield shell
-    shell.run_line_magic("unload_ext", "accel_magic")
-    for name in ("accelerator", "model", "opt", "loss", "step", "torch", "hidden", "files", "x", "accel_result"):
-        shell.user_ns.pop(name, None)
 
 
 def run(shell, source: str) -> None:

@@ -16,16 +16,6 @@ import accel_magic
 start_ipython()  # the test shell: a TerminalInteractiveShell that IPython's own tests use
 
 
-@pytest.fixture
-def ip():
-    shell = get_ipython()
-    shell.run_line_magic("load_ext", "accel_magic")
-    yield shell
-    shell.run_line_magic("unload_ext", "accel_magic")
-    for name in ("accelerator", "plan", "keep", "acc2"):
-        shell.user_ns.pop(name, None)
-
-
 def test_load_ext_imports_nothing_heavy_and_sets_nvml_check() -> None:
     code = (
         "import os, sys\n"
