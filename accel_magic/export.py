@@ -852,7 +852,7 @@ def _accel_as_in_notebook(namespace, prepared):
 def _accel_save(accelerator, namespace, prepared, registered, output_dir):
     """Write the state of every named model, optimizer, scheduler and registered object, as the notebook got it
     back: models through accelerator.get_state_dict on every process (a collective under FSDP and DeepSpeed),
-    the files from the main process."""
+    the files from the main process; then end the process group."""
     import os
     import sys
 
@@ -887,6 +887,8 @@ def _accel_save(accelerator, namespace, prepared, registered, output_dir):
             torch.save(state, path)
             print(f"wrote {path}")
     accelerator.wait_for_everyone()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # gloo's threads, left to the exit, can abort the process
 '''
 
 
