@@ -49,7 +49,10 @@ def unload_ipython_extension(ipython: Any) -> None:
     """Remove exactly what load_ipython_extension added."""
     manager = ipython.magics_manager
     instance = manager.registry.pop("AccelMagics", None)
-    for kind, names in (("line", ("accel_setup", "accel_export")), ("cell", ("accel_train",))):
+    jobs = sys.modules.get(f"{__name__}.jobs")
+    if jobs is not None:
+        jobs.stop_jobs()
+    for kind, names in (("line", ("accel_setup", "accel_export", "accel_wait")), ("cell", ("accel_train",))):
         for name in names:
             manager.magics[kind].pop(name, None)
     if instance is not None and instance in ipython.configurables:

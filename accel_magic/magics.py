@@ -171,13 +171,14 @@ class AccelMagics(Magics):
 
     def _result_name(self, args: Any) -> str:
         """Where the launch's outcome goes: never over a variable of the user's own without a word."""
+        from .jobs import Job
         from .launch import LaunchOutcome
 
         name = args.result if args.result is not None else self.result
         if not _identifier(name):
             raise UsageError(f"--result must be a Python identifier such as accel_result, not {name!r}.")
         existing = self.shell.user_ns.get(name)
-        if existing is not None and not isinstance(existing, LaunchOutcome):
+        if existing is not None and not isinstance(existing, LaunchOutcome | Job):
             kind = type(existing).__name__
             raise UsageError(
                 f"`{name}` already holds a {kind}: choose another name for the launch's outcome with --result "
@@ -257,6 +258,7 @@ class AccelMagics(Magics):
     @argument("--nodes", metavar="M", help="machines whose kernels train as one group (each runs -n ranks)")
     @argument("--node-rank", metavar="R", help="this machine's place, 0 to M-1; node 0 hosts the rendezvous")
     @argument("--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address and port, the same on every node")
+    @argument("--background", action="store_true", help="return once the ranks run; results come at the next cell")
     @cell_magic
     def accel_train(self, line: str, cell: str) -> None:
         """Run the cell as N ranks (forked processes forming one process group) and bring rank 0's results
@@ -270,9 +272,15 @@ class AccelMagics(Magics):
         Several machines: run the same cell in a kernel on each, with `--nodes M --node-rank R --rdzv-endpoint
         HOST:PORT` (node 0's address); their M x N ranks form one group, numbered by node rank, and each kernel
         shows its own ranks' output and gets its first rank's results back.
+
+        `--background`: the cell returns once the ranks run, and leaves a status widget with a Stop button; other
+        cells run meanwhile. `accel_result` is the job (status, wait(), stop(), outcome); rank 0's results come
+        into the notebook when the first cell after the end runs (names rebound meanwhile are kept, and the
+        launch's values left in the job's `results`), or at once with %accel_wait. One background launch at a time.
         """
         from .cell import CellError, compile_cell
-        from .train import TrainError, run_in_kernel, run_ranks
+        from .jobs import refuse_while_running, start_job
+        from .train import TrainError, launch_failure, run_in_kernel, run_ranks
 
         args = _parse(self.accel_train, line, "accel_train")
         max_mb = _positive_float(args.max_return_mb, "--max-return-mb") or self.max_return_mb
@@ -293,6 +301,23 @@ class AccelMagics(Magics):
                 )
         returns = _returns(args, code.bound)
         result_name = self._result_name(args)
+        try:
+            refuse_while_running()
+        except TrainError as err:
+            raise UsageError(str(err)) from None
+        if plan.background:
+            try:
+                job = start_job(self.shell, code, plan, name=self.accelerator_name, result_name=result_name,
+                                returns=returns, port=port, max_bytes=int(max_mb * 2**20))  # fmt: skip
+            except TrainError as err:
+                raise UsageError(str(err)) from None
+            self.shell.user_ns[result_name] = job
+            if job.outcome is not None:  # it ended before every rank ran: as a foreground launch ends
+                job.applied = True
+                failure = launch_failure(job.outcome, plan)
+                if failure is not None:
+                    raise failure
+            return
         if plan.launch == "kernel":
             if self.plan is None or self.plan.request != request:
                 self._setup(request, self.accelerator_name, quiet=True, runtime=runtime)
@@ -363,6 +388,34 @@ class AccelMagics(Magics):
             raise UsageError(f"Could not write {args.path}: {err.strerror or err}; choose another path.") from None
         print(export.summary())
 
+    @magic_arguments()
+    @line_magic
+    def accel_wait(self, line: str = "") -> None:
+        """Wait for the background launch to end and bring its results into the notebook at once; a failed
+        launch shows its error here. Interrupting the wait leaves the launch running."""
+        from .jobs import last_job
+        from .launch import LaunchInterrupted
+        from .train import launch_failure
+
+        _parse(self.accel_wait, line, "accel_wait")
+        job = last_job()
+        if job is None:
+            raise UsageError("No background launch in this kernel: start one with %%accel_train --background.")
+        try:
+            job.ended.wait()
+        except KeyboardInterrupt:
+            raise LaunchInterrupted(
+                f"stopped waiting; the background launch goes on ({job.name}.stop() ends it)"
+            ) from None
+        if job.applied:
+            print(job.note or f"The background launch ({job.name}) had ended: {job.status}.")
+            return
+        line = job.apply()
+        failure = launch_failure(job.outcome, job.plan) if job.status == "failed" else None
+        if failure is not None:
+            raise failure
+        print(line)
+
     def _train_request(self, args: Any) -> Request:
         base = self.plan.request if self.plan is not None else Request()
         n = _positive_int(args.num_processes, "-n/--num-processes")
@@ -373,6 +426,7 @@ class AccelMagics(Magics):
             cpu=args.cpu or base.cpu or self.cpu,
             mixed_precision=mp or base.mixed_precision or self.mixed_precision,
             timeout=_positive_float(args.timeout, "--timeout") or base.timeout or self.timeout,
+            background=args.background,
             **_nodes(args),
         )
 

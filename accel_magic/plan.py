@@ -34,6 +34,7 @@ class Request:
     num_nodes: int = 1  # machines whose ranks form one group; each runs num_processes ranks
     node_rank: int = 0  # this machine's place among them (node 0 hosts the rendezvous)
     rdzv_endpoint: str = ""  # HOST:PORT of node 0's rendezvous, for several nodes
+    background: bool = False  # the cell returns once the ranks have started; they train while other cells run
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Plan:
     num_nodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""  # HOST:PORT of node 0's rendezvous when num_nodes > 1
+    background: bool = False  # forked ranks train while the notebook runs other cells
     notes: tuple[str, ...] = ()
     fallbacks: tuple[Fallback, ...] = ()  # each fallback's note is also in `notes`
     runtime: Runtime = field(default_factory=Runtime, compare=False)
@@ -99,6 +101,7 @@ class Plan:
             "num_nodes": self.num_nodes,
             "node_rank": self.node_rank,
             "rdzv_endpoint": self.rdzv_endpoint,
+            "background": self.background,
             "notes": list(self.notes),
             "fallbacks": [
                 {"topic": f.topic, "wanted": f.wanted, "using": f.using, "asked": f.asked} for f in self.fallbacks
@@ -342,7 +345,8 @@ def make_plan(runtime: Runtime, request: Request | None = None) -> Plan:
             f"Training across machines runs on CPUs or CUDA GPUs, not on {device.upper()}: add --cpu, or train on "
             "one machine."
         )
-    launch = "kernel" if n == 1 and req.num_nodes == 1 else "fork"
+    # A background cell always forks, even one process: the kernel must stay free for the notebook's other cells.
+    launch = "kernel" if n == 1 and req.num_nodes == 1 and not req.background else "fork"
     # Built on first use on CPU too: an Accelerator the notebook never used then leaves accelerate's shared state
     # empty, which accelerate's own notebook_launcher requires.
     accelerator = "lazy" if device == "cpu" or (device == "cuda" and runtime.gpu_count > 1) else "eager"
@@ -370,6 +374,7 @@ def make_plan(runtime: Runtime, request: Request | None = None) -> Plan:
         num_nodes=req.num_nodes,
         node_rank=req.node_rank,
         rdzv_endpoint=req.rdzv_endpoint.strip() if req.num_nodes > 1 else "",
+        background=req.background,
         notes=tuple(notes.items),
         fallbacks=tuple(notes.fallbacks),
         runtime=runtime,

@@ -1,5 +1,5 @@
 """Run a compiled cell under a plan: in the kernel like a normal cell, or as forked ranks whose rank 0 results
-are applied to the notebook afterwards."""
+are applied to the notebook afterwards (at once; or, for a background launch, by jobs.py at the next cell)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from .plan import Plan
 if TYPE_CHECKING:
     from .launch import LaunchOutcome, Nodes, RankBody
 
-__all__ = ["OneSentence", "TrainError", "CellBody", "run_in_kernel", "plan_nodes", "launch_plan", "run_ranks"]
+__all__ = ["OneSentence", "TrainError", "CellBody", "run_in_kernel", "plan_nodes", "check_launch", "launch_ranks",
+           "launch_failure", "launch_plan", "bring_back", "run_ranks"]  # fmt: skip
+
+_MISSING = object()
 
 
 class OneSentence(Exception):
@@ -90,22 +93,12 @@ def plan_nodes(plan: Plan, run_id: str = "", rdzv_timeout: float | None = None) 
     return Nodes(plan.num_nodes, plan.node_rank, host, run_id, rdzv_timeout or plan.timeout)
 
 
-def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | None, max_bytes: int,
-                receive: Callable[[bytes, str], Any] | None, monitor_interval: float = 0.05,
-                port_option: str = "--port", endpoint_option: str = "--rdzv-endpoint",
-                nodes: Nodes | None = None, source: str = "") -> LaunchOutcome:  # fmt: skip
-    """Launch `body` as the plan's ranks, with the launch banner first. Raises TrainError before anything
-    starts, LaunchError when the launch failed, LaunchInterrupted (a KeyboardInterrupt) when it was interrupted;
-    both carry the outcome. `source` is the file of a launched function that is not a notebook cell, which the
-    interrupt's message names instead of the cell."""
-    from .accelerator import rank_environment
-    from .display import launch_banner, write_rank_text
-    from .launch import LaunchError, launch, launch_error, launch_interrupted
+def check_launch(plan: Plan, port: int | None, nodes: Nodes, *, port_option: str = "--port",
+                 endpoint_option: str = "--rdzv-endpoint") -> None:  # fmt: skip
+    """Raise TrainError (one sentence) when the plan's ranks cannot start here now."""
     from .launch.guard import check_port, cuda_fork_blocker
-    from .launch.relay import publish_kernel_message
     from .plan import parse_endpoint
 
-    nodes = nodes or plan_nodes(plan)
     if plan.num_nodes > 1:
         port = parse_endpoint(plan.rdzv_endpoint)[1]
         if plan.node_rank == 0 and not check_port(port, nodes.host):
@@ -121,8 +114,20 @@ def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | N
             f"{blocker}, so GPU ranks cannot be forked: restart the kernel, run %accel_setup first and keep "
             "CUDA work inside %%accel_train cells."
         )
-    print(launch_banner(plan))
-    outcome = launch(
+
+
+def launch_ranks(body: RankBody, plan: Plan, nodes: Nodes, *, cell_filename: str, port: int | None, max_bytes: int,
+                 receive: Callable[[bytes, str], Any] | None, on_text: Callable[[int, str, str], None],
+                 on_message: Callable[[dict[str, Any]], None], **options: Any) -> LaunchOutcome:  # fmt: skip
+    """The plan's ranks on this node, launched; how it ended (`options`: launch()'s monitor_interval, stop,
+    watch)."""
+    from .accelerator import rank_environment
+    from .launch import launch
+    from .plan import parse_endpoint
+
+    if plan.num_nodes > 1:
+        port = parse_endpoint(plan.rdzv_endpoint)[1]
+    return launch(
         body,
         plan.num_processes,
         backend=plan.backend or "gloo",
@@ -130,24 +135,98 @@ def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | N
         timeout=plan.timeout,
         env=rank_environment(plan),
         cell_filename=cell_filename,
-        on_text=write_rank_text,
-        on_message=publish_kernel_message,
+        on_text=on_text,
+        on_message=on_message,
         port=port,
         receive=receive,
         max_bytes=max_bytes,
-        monitor_interval=monitor_interval,
         nodes=nodes,
+        **options,
     )
+
+
+def launch_failure(outcome: LaunchOutcome, plan: Plan, source: str = "") -> Exception | KeyboardInterrupt | None:
+    """The one exception that says how a launch went wrong (LaunchInterrupted is a KeyboardInterrupt), or None."""
+    from .launch import LaunchError, launch_error, launch_interrupted
+
     if outcome.interrupted:
-        raise launch_interrupted(outcome, source)
+        return launch_interrupted(outcome, source)
     if not outcome.ok:
-        raise launch_error(outcome, plan.timeout)
+        return launch_error(outcome, plan.timeout)
     if outcome.receive_error:
-        raise LaunchError(
+        return LaunchError(
             f"rank 0's results could not be read back ({outcome.receive_error}); nothing in the notebook changed.",
             outcome=outcome,
         )
+    return None
+
+
+def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | None, max_bytes: int,
+                receive: Callable[[bytes, str], Any] | None, monitor_interval: float = 0.05,
+                port_option: str = "--port", endpoint_option: str = "--rdzv-endpoint",
+                nodes: Nodes | None = None, source: str = "") -> LaunchOutcome:  # fmt: skip
+    """Launch `body` as the plan's ranks, with the launch banner first. Raises TrainError before anything
+    starts, LaunchError when the launch failed, LaunchInterrupted (a KeyboardInterrupt) when it was interrupted;
+    both carry the outcome. `source` is the file of a launched function that is not a notebook cell, which the
+    interrupt's message names instead of the cell."""
+    from .display import launch_banner, write_rank_text
+    from .launch.relay import publish_kernel_message
+
+    nodes = nodes or plan_nodes(plan)
+    check_launch(plan, port, nodes, port_option=port_option, endpoint_option=endpoint_option)
+    print(launch_banner(plan))
+    outcome = launch_ranks(
+        body,
+        plan,
+        nodes,
+        cell_filename=cell_filename,
+        port=port,
+        max_bytes=max_bytes,
+        receive=receive,
+        on_text=write_rank_text,
+        on_message=publish_kernel_message,
+        monitor_interval=monitor_interval,
+    )
+    failure = launch_failure(outcome, plan, source)
+    if failure is not None:
+        raise failure
     return outcome
+
+
+def bring_back(outcome: LaunchOutcome, ns: dict[str, Any], before: Mapping[str, Any] | None = None,
+               held_in: str = "") -> tuple[list[str], dict[str, Any]]:  # fmt: skip
+    """Apply rank 0's results to the notebook all at once; returns the names applied, and the values held back.
+    What could not come is in `outcome.skipped`. With `before` (the namespace when a background launch started), a
+    name the notebook rebound since then keeps its new value: the launch's is held back, by name, and listed as
+    not applied, found in `held_in` (such as "accel_result.results")."""
+    from .results import Received, unpack_results
+
+    received = outcome.received
+    if received is None:
+        return [], {}
+    held: dict[str, Any] = {}
+    items = []
+    for item in received.items:
+        names = {item.name} if item.action != "state" else set()
+        if item.action in ("load_state", "state", "keep") and item.home:
+            names.add(item.home)
+        same_module = item.action == "import" and getattr(ns.get(item.name), "__name__", None) == item.home
+        if (
+            before is not None
+            and not same_module
+            and any(ns.get(n, _MISSING) is not before.get(n, _MISSING) for n in names)
+        ):
+            held[item.name] = before.get(item.home) if item.action == "keep" else item.value
+        else:
+            items.append(item)
+    apply, skipped = unpack_results(Received(tuple(items), received.skipped, received.seconds), ns)
+    rebound = [(n, f"rebound in the notebook since the launch started; the launch's is {held_in}[{n!r}]") for n in held]
+    outcome.skipped = tuple(skipped) + tuple(rebound)
+    started = time.perf_counter()
+    apply()
+    outcome.results_seconds = {**received.seconds, "apply": time.perf_counter() - started}
+    failed = {name for name, _ in skipped}
+    return [i.name for i in items if i.name not in failed and i.action not in ("state", "import")], held
 
 
 def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name: str, returns: tuple[str, ...] | None,
@@ -156,7 +235,7 @@ def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name:
     when the launch fails)."""
     from .accelerator import rank_accelerator
     from .launch import LaunchError, LaunchInterrupted
-    from .results import receive_payload, unpack_results
+    from .results import receive_payload
 
     ns = shell.user_ns
     notebook = {id(v): (k, v) for k, v in ns.items() if not k.startswith("_")}
@@ -179,13 +258,8 @@ def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name:
         raise
     finally:
         del body, notebook
-    apply, skipped = unpack_results(outcome.received, ns) if outcome.received is not None else (None, [])
-    outcome.skipped = tuple(skipped)
-    if apply is not None:
-        started = time.perf_counter()
-        apply()
-        outcome.results_seconds = {**outcome.received.seconds, "apply": time.perf_counter() - started}
+    bring_back(outcome, ns)
     ns[result_name] = outcome
-    if skipped:
-        listed = "; ".join(f"{item} ({reason})" for item, reason in skipped)
+    if outcome.skipped:
+        listed = "; ".join(f"{item} ({reason})" for item, reason in outcome.skipped)
         print(f"Not brought back to the notebook: {listed}.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -56,12 +57,18 @@ def launch(
     max_bytes: int = 0,
     monitor_interval: float = 0.05,
     nodes: Nodes = ONE_NODE,
+    stop: Event | None = None,
+    watch: Callable[[Relay], None] | None = None,
 ) -> LaunchOutcome:
     """Run `body` in `nprocs` forked ranks that form one process group (with the ranks of the other `nodes`,
     whose launches meet at node 0's `port`). What this node's first rank's `body.results` returns (bytes) and
     the files it wrote in the folder it is given reach `receive(payload, folder)` in the kernel, whose answer
     is `outcome.received`. The agent checks on the ranks every `monitor_interval` seconds. The kernel is left
-    as it was: no process, port, file or handler."""
+    as it was: no process, port, file or handler.
+
+    In the kernel's main thread, an interrupt stops the ranks. In another thread (a background launch), setting
+    `stop` does, and `watch(relay)` sees which ranks have started and ended after every poll; the ranks then
+    leave the kernel's process group, so the kernel's interrupts reach only the kernel."""
     first = nodes.rank * nprocs
     outcome = LaunchOutcome(nprocs, first, nodes.count, nodes.endpoint(port or 0) if nodes.count > 1 else "")
     started = time.perf_counter()
@@ -75,6 +82,16 @@ def launch(
     relay: Relay | None = None
     peers: Peers | None = None
     fd: int | None = None
+    background = threading.current_thread() is not threading.main_thread()
+
+    def ours() -> list[Any]:
+        """The launch's processes: every new child of the kernel while the launch holds the kernel; in the
+        background, once every rank has said hello, those ranks and their children alone (the notebook's other
+        cells start processes of their own meanwhile)."""
+        if background and relay is not None and len(relay.started) == nprocs:
+            return guard.family(list(relay.started.values()))
+        return guard.descendants(known)
+
     try:
         workdir = Workdir(max_bytes)
         pipes = Pipes.open(nprocs)
@@ -85,9 +102,10 @@ def launch(
             if fd is None:
                 sock.close()  # an older torch: its static store binds the port itself
         assert port is not None, "a node other than 0 connects to node 0's port"
-        program = RankProgram(body, pipes, workdir, env, threads, backend, timeout, cell_filename, port, first)
+        program = RankProgram(body, pipes, workdir, env, threads, backend, timeout, cell_filename, port, first,
+                              detach=background)  # fmt: skip
         relay = Relay(pipes, on_text, on_message, first)
-        with guard.kernel_state_kept():
+        with guard.kernel_state_kept(all_env=not background):
             logs = os.path.join(workdir.path, "logs")
             config = elastic.launch_config(nprocs, port, logs, monitor_interval, fd, nodes)
 
@@ -98,17 +116,22 @@ def launch(
             peers = Peers(nodes, port, config.run_id) if nodes.count > 1 else None
             del config
             try:
-                while not done.is_set():
+                while not done.is_set() and not (stop is not None and stop.is_set()):
                     relay.poll(0.05)
+                    if watch is not None:
+                        watch(relay)
                     if peers is not None:
-                        _exchange(peers, relay, workdir, known, elastic.served_store(fd))
+                        _exchange(peers, relay, workdir, ours, elastic.served_store(fd))
             except KeyboardInterrupt:
                 outcome.interrupted = True
+            if stop is not None and stop.is_set() and not done.is_set():
+                outcome.interrupted = True
+            if outcome.interrupted:
                 if peers is not None:
                     peers.tell(f"node {nodes.rank} was interrupted")
                 with contextlib.suppress(KeyboardInterrupt):  # a second interrupt: stop them now
-                    _interrupt(relay, done, known, nprocs)
-                guard.stop(guard.descendants(known))
+                    _interrupt(relay, done, ours, nprocs)
+                guard.stop(ours())
                 done.wait(10)
             relay.drain()
             outcome.ended = relay.ended
@@ -123,7 +146,7 @@ def launch(
             pipes.close()
         if fd is not None:
             elastic.release_socket(fd)
-        leftovers = guard.descendants(known)
+        leftovers = ours()
         if leftovers:
             guard.stop(leftovers)
         if workdir is not None:
@@ -138,16 +161,16 @@ def launch(
     return outcome
 
 
-def _interrupt(relay: Relay, done: Event, known: set[int], nprocs: int, grace: float = 1.0) -> None:
+def _interrupt(relay: Relay, done: Event, ours: Callable[[], list[Any]], nprocs: int, grace: float = 1.0) -> None:
     """Interrupt the ranks (the front end may not have) and give them `grace` seconds to end on their own, each
     with a record of where its cell was; what is left is stopped after."""
-    guard.interrupt(guard.descendants(known))
+    guard.interrupt(ours())
     deadline = time.monotonic() + grace
     while not done.is_set() and len(relay.ended) < nprocs and time.monotonic() < deadline:
         relay.poll(0.05)
 
 
-def _exchange(peers: Peers, relay: Relay, workdir: Workdir, known: set[int], served: Any) -> None:
+def _exchange(peers: Peers, relay: Relay, workdir: Workdir, ours: Callable[[], list[Any]], served: Any) -> None:
     """Across machines: once the ranks have started, stop them when another node failed; else report this
     node's first failure that is its own (not an error that a lost peer caused) to the others."""
     if not relay.greeted:
@@ -157,7 +180,7 @@ def _exchange(peers: Peers, relay: Relay, workdir: Workdir, known: set[int], ser
     if peers.failure:
         if not peers.acted:
             peers.acted = True
-            guard.terminate(guard.descendants(known))
+            guard.terminate(ours())
         return
     if peers.told:
         return

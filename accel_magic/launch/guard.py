@@ -21,6 +21,7 @@ from typing import Any
 __all__ = [
     "kernel_state_kept",
     "descendants",
+    "family",
     "interrupt",
     "stop",
     "check_port",
@@ -36,14 +37,16 @@ ELASTIC_LOGGERS = (
     "torch.distributed.run",
     "torch.multiprocessing",
 )
+AGENT_ENV = "TORCHELASTIC_"  # what the elastic agent sets in the kernel's environment
 REAL_EXIT = os._exit  # as the kernel had it: a rank's cell may replace os._exit, and the rank ends through this
 
 
 @contextlib.contextmanager
-def kernel_state_kept() -> Iterator[None]:
+def kernel_state_kept(all_env: bool = True) -> Iterator[None]:
     """Whatever torch's elastic agent changes in the kernel (environment, signal handlers, loggers) is put
-    back as it was."""
-    env = dict(os.environ)
+    back as it was. With `all_env` False (a launch in the background, while the notebook's cells may change the
+    environment), only the agent's own TORCHELASTIC_ variables are."""
+    env = {k: v for k, v in os.environ.items() if all_env or k.startswith(AGENT_ENV)}
     handlers = {name: signal.getsignal(getattr(signal, name)) for name in SIGNALS_KEPT}
     levels = {name: logging.getLogger(name).level for name in ELASTIC_LOGGERS}
     for name in ELASTIC_LOGGERS:  # its error wall would repeat what the launch reports in one traceback
@@ -52,7 +55,8 @@ def kernel_state_kept() -> Iterator[None]:
         yield
     finally:
         for key in set(os.environ) - set(env):
-            del os.environ[key]
+            if all_env or key.startswith(AGENT_ENV):
+                del os.environ[key]
         for key, value in env.items():
             if os.environ.get(key) != value:
                 os.environ[key] = value
@@ -72,6 +76,18 @@ def descendants(known: set[int]) -> list[Any]:
         return [p for p in psutil.Process().children(recursive=True) if p.pid not in known]
     except psutil.Error:
         return []
+
+
+def family(pids: list[int]) -> list[Any]:
+    """These processes and their children (recursively), those still there."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            parent = psutil.Process(pid)
+            procs += [parent, *parent.children(recursive=True)]
+    return procs
 
 
 def interrupt(procs: list[Any]) -> None:

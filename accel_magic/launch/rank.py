@@ -88,6 +88,18 @@ def interrupt_once(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def detach_from_kernel(kernel: int) -> None:
+    """A background launch's rank: out of the kernel's process group, where the front end's interrupts for the
+    notebook's cells go, and killed if the kernel dies before it could stop the rank (Linux)."""
+    os.setpgid(0, 0)
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: when the thread that forked it ends
+        if os.getppid() != kernel:  # the kernel went before the call
+            REAL_EXIT(1)
+
+
 def versions_line() -> str:
     """The versions a bug report needs, in one line."""
     from ..runtime import versions
@@ -130,10 +142,12 @@ class RankProgram:
     """Everything a rank needs, inherited through fork; calling it runs the rank whose RANK the agent set."""
 
     def __init__(self, body: RankBody, pipes: Pipes, workdir: Workdir, env: dict[str, str], threads: int,
-                 backend: str, timeout: float, cell_filename: str, port: int, first_rank: int = 0):  # fmt: skip
+                 backend: str, timeout: float, cell_filename: str, port: int, first_rank: int = 0,
+                 detach: bool = False):  # fmt: skip
         self.body, self.pipes, self.workdir, self.env = body, pipes, workdir, env
         self.threads, self.backend, self.timeout, self.cell_filename = threads, backend, timeout, cell_filename
-        self.port, self.first_rank = port, first_rank
+        self.port, self.first_rank, self.detach = port, first_rank, detach
+        self.kernel = os.getpid()
 
     def __call__(self) -> None:
         rank = int(os.environ.get("RANK", "0"))  # in the whole group: records and messages use it
@@ -141,6 +155,8 @@ class RankProgram:
         start = time.time()
         phase: Phase = "before"
         try:
+            if self.detach:
+                detach_from_kernel(self.kernel)
             signal.signal(signal.SIGINT, interrupt_once)
             self.workdir.write("started", rank, os.getpid())
             self._redirect(local)

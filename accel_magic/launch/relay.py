@@ -133,9 +133,14 @@ class Relay:
                 os.set_blocking(r, False)
                 self.sel.register(r, selectors.EVENT_READ, (rank, stream))
         self.frames: dict[int, Frames] = {}
+        self.started: dict[int, int] = {}  # rank -> pid, from its hello (its process runs the rank's program)
         self.ended: dict[int, tuple[int, float]] = {}  # rank -> (exit code or -signal, when it ended)
-        self.greeted = False  # a rank said hello: the rendezvous is done
         self.closed = False
+
+    @property
+    def greeted(self) -> bool:
+        """A rank said hello: the rendezvous is done."""
+        return bool(self.started)
 
     def watch(self, rank: int, pid: int) -> bool:
         """Wake when the rank's process ends, to read how and when before anyone reaps it."""
@@ -180,7 +185,7 @@ class Relay:
             if not isinstance(message, dict):
                 continue
             if "hello" in message:
-                self.greeted = True
+                self.started[rank] = message["hello"]
                 self.watch(rank, message["hello"])
             elif rank == self.first_rank:
                 with contextlib.suppress(Exception):
@@ -241,13 +246,13 @@ def capture_kernel_messages(rank: int, msg_fd: int) -> None:
     session.send = send
 
 
-def publish_kernel_message(message: dict[str, Any]) -> None:
+def publish_kernel_message(message: dict[str, Any], flush: bool = True) -> None:
     """In the kernel, publish on IOPub a display or widget message that rank 0 sent, so `display()` and
-    `tqdm.auto` bars from the rank appear in the cell."""
+    `tqdm.auto` bars from the rank appear in the cell. `flush`: what the ranks printed to the cell shows first."""
     kernel = _kernel()
     if kernel is None:
         return
-    for stream in (sys.stdout, sys.stderr):  # what the ranks printed before this message shows before it
+    for stream in (sys.stdout, sys.stderr) if flush else ():
         with contextlib.suppress(AttributeError, ValueError):
             stream.flush()
     message = dict(message)

@@ -270,6 +270,14 @@ def test_several_nodes_always_fork_even_one_rank_each_and_keep_their_place() -> 
     assert make_plan(CPU2, Request(num_processes=1)).launch == "kernel"
 
 
+def test_a_background_launch_forks_even_one_rank_with_the_whole_budget() -> None:
+    plan = make_plan(CPU2, Request(num_processes=1, background=True))
+    assert (plan.launch, plan.background, plan.threads_per_process) == ("fork", True, 2)
+    assert plan.to_dict()["background"] is True
+    two = make_plan(CPU2, Request(num_processes=2, background=True))
+    assert (two.launch, two.threads_per_process, two.backend) == ("fork", 1, "gloo")
+
+
 @pytest.mark.parametrize(
     ("request_", "says"),
     [
