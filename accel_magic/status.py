@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .jobs import Job
 
-__all__ = ["StatusView", "duration", "rank_rows", "headline", "shown_output"]
+__all__ = ["StatusView", "duration", "rank_rows", "headline", "shown_output", "bundle_html"]
 
 SHOWN_LINES = 400  # of the whole output, the last lines the widget shows (the job keeps more: job.output)
 COLOURS = {"starting": "#777", "running": "#1565c0", "done": "#2e7d32", "failed": "#c62828", "stopped": "#ef6c00"}
@@ -81,7 +81,7 @@ class StatusView:
         self.job = job
         self.head = w.HTML(headline(job))
         self.table = w.HTML(rank_rows(job))
-        self.displays = w.Output()  # rank 0's displays, as outputs set from the job's thread
+        self.displays = displays_box()  # rank 0's displays, set from the job's thread
         self.stop_button = w.Button(
             description="Stop",
             button_style="danger",
@@ -93,8 +93,8 @@ class StatusView:
                               self.output])  # fmt: skip
         self.stop_button.on_click(self._stop)
         self.show_output.observe(self._toggle, names="value")
-        self._outputs: list[dict[str, Any]] = []
-        self._display_ids: dict[str, list[int]] = {}
+        self._shown: list[tuple[str | None, dict[str, Any]]] = []  # rank 0's displays: (display_id, data)
+        self._made: list[Any] = []  # the HTML widgets that show those that are not widgets
         self._clear_on_next = False
 
     def show(self) -> None:
@@ -137,29 +137,64 @@ class StatusView:
             if content.get("wait"):
                 self._clear_on_next = True
             else:
-                self._set_outputs([])
+                self._set_shown([])
         else:
             publish_kernel_message(message, flush=False)
 
     def _display(self, kind: str, content: dict[str, Any]) -> None:
-        output = {"output_type": "display_data", "data": content.get("data", {}),
-                  "metadata": content.get("metadata", {})}  # fmt: skip
+        shown = [] if self._clear_on_next else list(self._shown)
+        self._clear_on_next = False
+        data = content.get("data", {})
         display_id = (content.get("transient") or {}).get("display_id")
-        outputs = [] if self._clear_on_next else list(self._outputs)
-        if self._clear_on_next:
-            self._display_ids.clear()
-            self._clear_on_next = False
         if kind == "update_display_data":
-            for index in self._display_ids.get(display_id, []):
-                outputs[index] = output
+            for index, (key, _) in enumerate(shown):
+                if key == display_id:
+                    shown[index] = (key, data)
         else:
-            if display_id:
-                self._display_ids.setdefault(display_id, []).append(len(outputs))
-            outputs.append(output)
-        self._set_outputs(outputs)
+            shown.append((display_id, data))
+        self._set_shown(shown)
 
-    def _set_outputs(self, outputs: list[dict[str, Any]]) -> None:
-        if not outputs:
-            self._display_ids.clear()
-        self._outputs = outputs
-        self.displays.outputs = tuple(outputs)
+    def _set_shown(self, shown: list[tuple[str | None, dict[str, Any]]]) -> None:
+        import ipywidgets as w
+
+        self._shown = shown
+        children, made = [], []
+        for _, data in shown:
+            view = data.get(WIDGET_VIEW)
+            if isinstance(view, dict) and view.get("model_id"):
+                children.append(f"IPY_MODEL_{view['model_id']}")  # a widget rank 0 made (a tqdm.auto bar)
+            else:
+                made.append(w.HTML(bundle_html(data)))
+                children.append(f"IPY_MODEL_{made[-1].model_id}")
+        self.displays.children = children
+        for widget in self._made:
+            widget.close()
+        self._made = made
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def bundle_html(data: dict[str, Any]) -> str:
+    """A display's richest form that HTML can show: HTML, an image, SVG, else its text."""
+    if "text/html" in data:
+        return str(data["text/html"])
+    for mime in ("image/png", "image/jpeg", "image/gif"):
+        if mime in data:
+            return f'<img src="data:{mime};base64,{str(data[mime]).strip()}">'
+    if "image/svg+xml" in data:
+        return str(data["image/svg+xml"])
+    return f'<pre style="margin:0">{html.escape(str(data.get("text/plain", "")))}</pre>'
+
+
+def displays_box() -> Any:
+    """A VBox whose children are given as model references ("IPY_MODEL_<id>"), so that widgets rank 0 made,
+    which have no object in the kernel, can be shown in it. (ipywidgets' Output widget would take the displays
+    as they are, but classic Notebook with ipywidgets 7 cannot make its model.)"""
+    import ipywidgets as w
+    from traitlets import List, Unicode
+
+    class RankDisplays(w.VBox):
+        children = List(Unicode()).tag(sync=True)  # type: ignore[assignment]
+
+    return RankDisplays()

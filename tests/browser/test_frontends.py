@@ -115,3 +115,35 @@ def test_the_panel_is_compact_and_legible_in_jupyterlabs_dark_theme_at_720_px(ch
     finally:
         page.close()
         server.close()
+
+
+BACKGROUND = """\
+%%accel_train -n 2 --background
+from tqdm.auto import tqdm
+import time
+for step in tqdm(range(100_000), disable=accelerator.process_index != 0):
+    time.sleep(0.05)
+    print("step", step, flush=True)"""
+
+
+def test_a_background_launch_shows_its_ranks_and_bar_while_another_cell_runs_and_stop_ends_it(
+    server, open_notebook
+) -> None:
+    write_notebook(server.root / "background.ipynb", "%load_ext accel_magic", BACKGROUND, "print('meanwhile', 6 * 7)")
+    nb = open_notebook("background.ipynb")
+    nb.run_cell(0)
+    nb.wait_until_idle()
+    nb.run_cell(1)
+    nb.wait_for_output(1, "in the background")
+    shown = nb.wait_for_output(1, "step 3")  # each rank's last line, in its row
+    assert re.search(r"\b0\s+running\b[\s\S]*\b1\s+running\b", shown), shown
+    assert re.search(r"\d+it \[|\d+/100000", nb.wait_for_output(1, "it/s")), shown  # rank 0's tqdm.auto bar
+    nb.run_cell(2)
+    assert "meanwhile 42" in nb.wait_for_output(2, "meanwhile 42")
+    assert "step" not in nb.output_text(2)  # the ranks' output stays in their own widget
+    clicked = time.monotonic()
+    nb.cells().nth(1).locator("button:has-text('Stop')").click()
+    shown = nb.wait_for_output(1, "STOPPED", timeout=30)
+    print(f"stopped {time.monotonic() - clicked:.2f} s after the click")
+    assert re.search(r"the 2 ranks were stopped \(rank 0 was at cell line [45]\)", shown), shown
+    assert re.search(r"\b0\s+stopped\b[\s\S]*\b1\s+stopped\b", shown), shown

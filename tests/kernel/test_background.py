@@ -202,12 +202,16 @@ def test_an_interrupt_stops_the_foreground_cell_only(live_kernel) -> None:
 def test_one_process_runs_in_the_background_and_rank_0s_bar_goes_into_the_widget(live_kernel) -> None:
     k = live_kernel
     k.execute(SETUP)
-    cell = "%%accel_train -n 1 --background\nfrom tqdm.auto import tqdm\nfor i in tqdm(range(20)):\n    pass\nn = i"
+    cell = "%%accel_train -n 1 --background\nfrom tqdm.auto import tqdm\nfrom IPython.display import HTML, display\n"
+    cell += "for i in tqdm(range(20)):\n    pass\ndisplay(HTML('<b>from rank 0</b>'))\nn = i"
     reply, _ = k.execute(cell)
     assert reply["status"] == "ok"
     k.execute("accel_result.wait(60)")
-    text = k.text("print(n, [sorted(o['data']) for o in accel_result.view.displays.outputs])")
-    assert text.strip().endswith("19 [['application/vnd.jupyter.widget-view+json', 'text/plain']]"), text
+    view = "accel_result.view"
+    text = k.text(f"print(n, len({view}.displays.children), {view}._made[0].value)\nprint({view}.displays.children)")
+    bar, html = eval(text.strip().splitlines()[-1])
+    assert text.strip().splitlines()[-2].endswith("19 2 <b>from rank 0</b>"), text
+    assert bar.startswith("IPY_MODEL_") and html.startswith("IPY_MODEL_")  # rank 0's bar by its model; the HTML
 
 
 @pytest.mark.parametrize("how", ["shutdown", "restart", "unload"])
