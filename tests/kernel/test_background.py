@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import signal
 import time
 
 import psutil
@@ -214,8 +215,9 @@ def test_one_process_runs_in_the_background_and_rank_0s_bar_goes_into_the_widget
     assert bar.startswith("IPY_MODEL_") and html.startswith("IPY_MODEL_")  # rank 0's bar by its model; the HTML
 
 
-@pytest.mark.parametrize("how", ["shutdown", "restart", "unload"])
+@pytest.mark.parametrize("how", ["shutdown", "restart", "unload", "kill"])
 def test_a_kernel_that_ends_or_an_unloaded_extension_leaves_nothing_running(live_kernel, private_tmpdir, how) -> None:
+    """A kernel killed outright (SIGKILL) cannot clean up: its ranks still end with it, its files stay."""
     k = live_kernel
     k.execute(SETUP)
     k.execute(LONG)
@@ -227,11 +229,15 @@ def test_a_kernel_that_ends_or_an_unloaded_extension_leaves_nothing_running(live
         assert k.text("print(settled())").strip() == "([], [])"
     elif how == "restart":
         k.km.restart_kernel()
+    elif how == "kill":
+        os.kill(int(k.text("print(os.getpid())")), signal.SIGKILL)
     else:
         k.km.shutdown_kernel()
     end = time.monotonic() + 10
     while alive(pids) and time.monotonic() < end:
         time.sleep(0.1)
     assert not alive(pids)
+    if how == "kill":
+        return
     assert not glob.glob(os.path.join(private_tmpdir, "accel_magic-*"))
     assert not glob.glob(os.path.join(private_tmpdir, "torchelastic_*"))

@@ -139,3 +139,21 @@ def test_panel_shows_no_environment_secrets(ip, monkeypatch: pytest.MonkeyPatch)
     plan = ip.run_line_magic("accel_setup", "--quiet")
     bundle = panel_bundle(plan)
     assert "verysecret" not in bundle["text/plain"] + bundle["text/html"] + repr(plan.to_dict())
+
+
+@pytest.mark.parametrize("line", ["", "extra", "--bogus"])
+def test_accel_wait_without_a_background_launch_or_with_arguments_is_one_sentence(ip, line: str) -> None:
+    with pytest.raises(UsageError) as info:
+        ip.run_line_magic("accel_wait", line)
+    assert_one_sentence(str(info.value))
+    assert ("No background launch" in str(info.value)) == (line == "")
+
+
+def test_a_background_launch_in_a_terminal_shell_runs_without_a_widget_and_accel_wait_applies(ip, capsys) -> None:
+    ip.run_cell_magic("accel_train", "-n 2 --background", "x = 41 + accelerator.num_processes // 2\nprint('hi')")
+    job = ip.user_ns["accel_result"]
+    assert job.view is None and job.status in ("running", "done")
+    ip.run_line_magic("accel_wait", "")
+    assert ip.user_ns["x"] == 42 and "[rank 1] hi" in job.output
+    assert "Background launch (accel_result): 2 ranks done in" in capsys.readouterr().out
+    ip.user_ns.pop("accel_result")
