@@ -48,6 +48,7 @@ class Job:
         self.note = ""  # what the notebook got, once applied
         self.results: dict[str, Any] = {}
         self.applied = False
+        self.told_in: int | None = None  # the cell whose start said what was applied
         self.ranks = range(plan.node_rank * plan.num_processes, (plan.node_rank + 1) * plan.num_processes)
         self.rank_states = dict.fromkeys(self.ranks, "starting")
         self.pids: dict[int, int] = {}  # rank -> its process, once it runs
@@ -228,6 +229,7 @@ class Job:
         the status widget."""
         self.note = self._apply()
         self.applied = True
+        self._before = {}  # the notebook's objects, held while the launch ran
         self._refresh(force=True)
         return self.note
 
@@ -239,7 +241,6 @@ class Job:
         if self.status == "failed" or self.outcome is None:
             return f"Background launch ({self.name}) failed: {self.error} (the traceback: {self.name}.details)."
         applied, self.results = bring_back(self.outcome, self.shell.user_ns, self._before, f"{self.name}.results")
-        self._before = {}
         line = f"Background launch ({self.name}): {ranks} done in {self.elapsed:.1f} s"
         line += f"; applied {', '.join(applied)}" if applied else "; nothing to apply"
         if self.outcome.skipped:
@@ -289,6 +290,7 @@ def _at_next_cell(*_: Any) -> None:
     job = _last
     if job is not None and job.ended.is_set() and not job.applied:
         print(job.apply())
+        job.told_in = job.shell.execution_count
 
 
 def _hook(shell: Any) -> None:

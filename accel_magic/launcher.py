@@ -142,12 +142,14 @@ def notebook_launcher(
     from IPython import get_ipython
 
     from .accelerator import state_set_aside
+    from .jobs import refuse_while_running
     from .plan import PlanError, Request, make_plan
     from .results import receive_payload
     from .runtime import probe
     from .train import launch_plan, plan_nodes
 
     _check(max_restarts, log_line_prefix_template)
+    refuse_while_running()
     if not callable(function):
         raise LauncherError(f"function must be callable, not a {type(function).__name__}.")
     port = _port(use_port)

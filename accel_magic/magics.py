@@ -408,7 +408,8 @@ class AccelMagics(Magics):
                 f"stopped waiting; the background launch goes on ({job.name}.stop() ends it)"
             ) from None
         if job.applied:
-            print(job.note or f"The background launch ({job.name}) had ended: {job.status}.")
+            if job.told_in != self.shell.execution_count:  # else this cell's first line just said it
+                print(job.note or f"The background launch ({job.name}) had ended: {job.status}.")
             return
         line = job.apply()
         failure = launch_failure(job.outcome, job.plan) if job.status == "failed" else None

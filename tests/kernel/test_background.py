@@ -16,13 +16,18 @@ import pytest
 SETUP = """%load_ext accel_magic
 import glob, os, tempfile, psutil, time, torch
 def leftovers():
-    return (psutil.Process().children(recursive=True),
+    me = psutil.Process()
+    return (me.children(recursive=True),
+            [c.laddr for c in (getattr(me, 'net_connections', None) or me.connections)() if c.status == 'LISTEN'],
             sorted(glob.glob(tempfile.gettempdir() + '/torchelastic_*') + glob.glob(tempfile.gettempdir() + '/accel_magic-*')))
+before = leftovers()  # the kernel's own sockets
 def settled(within=10.0):
+    # what the launches left behind: no child, no other listening socket, no folder
     end = time.monotonic() + within
-    while leftovers() != ([], []) and time.monotonic() < end:
+    while leftovers() != before and time.monotonic() < end:
         time.sleep(0.1)
-    return leftovers()
+    now = leftovers()
+    return now[0], sorted(set(now[1]) - set(before[1])), now[2]
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -97,7 +102,7 @@ def test_the_cell_returns_at_once_and_a_foreground_cell_computes_while_the_ranks
     assert text.strip().endswith("True True True"), text  # overlapped; trained state in the notebook's own model
     out = k.text("print(accel_result.output.count('[rank 1] loss') > 3, accel_result.last_line)")
     assert out.startswith("True {0: 'loss ") and "1: 'loss " in out
-    assert k.text("print(settled())").strip() == "([], [])"
+    assert k.text("print(settled())").strip() == "([], [], [])"
 
 
 def test_a_name_rebound_meanwhile_is_kept_and_the_launchs_value_is_in_the_job(live_kernel) -> None:
@@ -135,7 +140,7 @@ def test_stop_ends_every_rank_and_says_where_rank_0_was(live_kernel) -> None:
     assert re.fullmatch(r"the 2 ranks were stopped \(rank 0 was at cell line [34]\)", error), error
     head = k.text("print(accel_result.view.head.value)")
     assert "STOPPED" in head and "the 2 ranks were stopped" in head
-    assert k.text("print(settled())").strip() == "([], [])"
+    assert k.text("print(settled())").strip() == "([], [], [])"
 
 
 def test_a_failure_names_the_rank_and_the_cell_line_in_the_job_and_the_widget(live_kernel) -> None:
@@ -171,6 +176,9 @@ def test_accel_wait_applies_at_once_and_a_second_launch_is_refused_while_one_run
     )
     reply, _ = k.execute("%%accel_train -n 2\nx = 1")
     assert reply["status"] == "error" and reply["evalue"].startswith("A background launch is still running")
+    reply, _ = k.execute("from accel_magic import notebook_launcher\nnotebook_launcher(print, num_processes=2)")
+    assert reply["status"] == "error" and reply["evalue"].startswith("A background launch is still running")
+    assert reply["traceback"] == [f"\x1b[0;31mTrainError\x1b[0m: {reply['evalue']}"]  # one line, no frames
     k.execute("os.environ['SET_WHILE_IT_RAN'] = 'yes'")
     reply, outputs = k.execute("%accel_wait\nprint(type(model).__name__, span[1] > span[0])")
     assert reply["status"] == "ok"
@@ -197,7 +205,7 @@ def test_an_interrupt_stops_the_foreground_cell_only(live_kernel) -> None:
         "running {0: 'running', 1: 'running'}"
     )
     k.execute("accel_result.stop()")
-    assert k.text("print(accel_result.status, settled())").strip().endswith("stopped ([], [])")
+    assert k.text("print(accel_result.status, settled())").strip().endswith("stopped ([], [], [])")
 
 
 def test_one_process_runs_in_the_background_and_rank_0s_bar_goes_into_the_widget(live_kernel) -> None:
@@ -226,7 +234,7 @@ def test_a_kernel_that_ends_or_an_unloaded_extension_leaves_nothing_running(live
     assert len(pids) == 2 and glob.glob(os.path.join(private_tmpdir, "accel_magic-*"))
     if how == "unload":
         k.execute("%unload_ext accel_magic")
-        assert k.text("print(settled())").strip() == "([], [])"
+        assert k.text("print(settled())").strip() == "([], [], [])"
     elif how == "restart":
         k.km.restart_kernel()
     elif how == "kill":
