@@ -26,7 +26,10 @@ def launch_banner(plan: Plan) -> str:
             f"rendezvous at {plan.rdzv_endpoint}): "
         )
     processes = f"{plan.num_processes} process{'es' if plan.num_processes != 1 else ''}"
-    lines = [f"accel_train: {nodes}{processes} on {where}{threads}{mp}; collective timeout {plan.timeout:g} s"]
+    background = ", in the background" if plan.background else ""
+    lines = [
+        f"accel_train: {nodes}{processes} on {where}{threads}{mp}{background}; collective timeout {plan.timeout:g} s"
+    ]
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
 

@@ -29,3 +29,14 @@ def test_the_banner_of_a_node_names_its_place_and_ranks_in_the_whole_group() -> 
     )
     one = make_plan(cpu, Request(num_processes=1, num_nodes=2, node_rank=1, rdzv_endpoint="h:1"))
     assert "node 1 of 2 (rank 1 of 2, rendezvous at h:1): 1 process on cpu" in launch_banner(one)
+
+
+def test_the_banner_of_a_background_launch_says_so() -> None:
+    from accel_magic.display import launch_banner
+    from accel_magic.plan import Request, make_plan
+    from accel_magic.runtime import Runtime
+
+    cpu = Runtime(platform="jupyter", cpu_budget=2, cpu_count=2)
+    plan = make_plan(cpu, Request(num_processes=1, background=True))
+    assert launch_banner(plan).startswith("accel_train: 1 process on cpu (gloo), 2 threads each, in the background;")
+    assert "background" not in launch_banner(make_plan(cpu, Request(num_processes=2)))
