@@ -280,7 +280,7 @@ class AccelMagics(Magics):
         """
         from .cell import CellError, compile_cell
         from .jobs import refuse_while_running, start_job
-        from .train import TrainError, launch_failure, run_in_kernel, run_ranks
+        from .train import TrainError, run_in_kernel, run_ranks
 
         args = _parse(self.accel_train, line, "accel_train")
         max_mb = _positive_float(args.max_return_mb, "--max-return-mb") or self.max_return_mb
@@ -312,11 +312,8 @@ class AccelMagics(Magics):
             except TrainError as err:
                 raise UsageError(str(err)) from None
             self.shell.user_ns[result_name] = job
-            if job.outcome is not None:  # it ended before every rank ran: as a foreground launch ends
-                job.applied = True
-                failure = launch_failure(job.outcome, plan)
-                if failure is not None:
-                    raise failure
+            if job.outcome is not None:  # it ended before this cell did: as a foreground launch ends
+                self._end_of(job)
             return
         if plan.launch == "kernel":
             if self.plan is None or self.plan.request != request:
@@ -395,7 +392,6 @@ class AccelMagics(Magics):
         launch shows its error here. Interrupting the wait leaves the launch running."""
         from .jobs import last_job
         from .launch import LaunchInterrupted
-        from .train import launch_failure
 
         _parse(self.accel_wait, line, "accel_wait")
         job = last_job()
@@ -411,8 +407,16 @@ class AccelMagics(Magics):
             if job.told_in != self.shell.execution_count:  # else this cell's first line just said it
                 print(job.note or f"The background launch ({job.name}) had ended: {job.status}.")
             return
+        self._end_of(job)
+
+    @staticmethod
+    def _end_of(job: Any) -> None:
+        """A background launch that ended while a cell waited for it: its results applied now, or its failure
+        shown as a foreground launch's."""
+        from .train import launch_failure
+
         line = job.apply()
-        failure = launch_failure(job.outcome, job.plan) if job.status == "failed" else None
+        failure = launch_failure(job.outcome, job.plan) if job.status != "done" else None
         if failure is not None:
             raise failure
         print(line)

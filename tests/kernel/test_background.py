@@ -249,3 +249,26 @@ def test_a_kernel_that_ends_or_an_unloaded_extension_leaves_nothing_running(live
         return
     assert not glob.glob(os.path.join(private_tmpdir, "accel_magic-*"))
     assert not glob.glob(os.path.join(private_tmpdir, "torchelastic_*"))
+
+
+def test_a_short_cells_results_are_never_lost_whether_it_ended_before_returning_or_after(live_kernel) -> None:
+    k = live_kernel
+    k.execute(SETUP)
+    reply, _ = k.execute("%%accel_train -n 2 --background\nquick = 7")
+    assert reply["status"] == "ok"
+    k.execute("accel_result.wait(60)")
+    assert k.text("print(quick, accel_result.status, accel_result.applied)").strip().endswith("7 done True")
+
+
+def test_a_launch_that_ends_before_its_ranks_run_fails_in_its_own_cell(live_kernel) -> None:
+    """The other node never comes: the rendezvous ends the launch before any rank ran, while the cell waits."""
+    k = live_kernel
+    k.execute(SETUP)
+    port = k.text("import socket\ns = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1]); s.close()")
+    line = f"-n 1 --background --nodes 2 --node-rank 0 --rdzv-endpoint 127.0.0.1:{port.strip()} --timeout 3"
+    reply, _ = k.execute(f"%%accel_train {line}\nx = 1")
+    assert reply["status"] == "error" and reply["ename"] == "LaunchError"
+    assert reply["evalue"].startswith("this node could not form one group with the other 1 node at 127.0.0.1:")
+    assert k.text("print(accel_result.status, accel_result.applied, 'x' in globals(), settled())").strip() == (
+        "failed True False ([], [], [])"
+    )
