@@ -36,7 +36,7 @@ ENV = "ACCEL_MAGIC_ALLREDUCE"  # "shm" in a rank's environment: average gradient
 PEER_ENDED = "ended while this rank waited for its gradients"
 PAGE = mmap.PAGESIZE
 LINE = 16  # int32 flags between two ranks' flags: a cache line each, so a rank's writes never touch another's
-SPIN = 2000  # flag checks before a waiting rank starts to sleep (about 100 microseconds)
+SPIN = 50e-6  # seconds a waiting rank checks the flags without pause before it sleeps (ranks may outnumber cores)
 LONGEST_SLEEP = 0.0005  # seconds: the backoff's cap, the most a rank can oversleep a peer's flag
 WATCH_EVERY = 0.005  # seconds between two looks at the peers' processes while waiting (a /proc read each)
 
@@ -105,7 +105,7 @@ class Segment:
         agreed = torch.tensor([ok, self.end, -self.end, size, -size], dtype=torch.int64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         ok, low, high, small, big = agreed.tolist()
-        self.end = max(self.end, -high) + -big
+        self.end = -high + -big  # past the furthest rank's idea of it: the same in every rank
         if not ok or low != -high or small != -big:
             return None
         return Region(self.fd, low, self.world, nbytes, dtype)
@@ -130,9 +130,12 @@ class Segment:
         """Until every other rank's flag reaches `target`; a peer that ended, a kernel that went away, or the
         collective timeout raise a RuntimeError instead."""
         lines = [r * LINE for r in self.others]
-        for _ in range(SPIN):
-            if all(flags[i] >= target for i in lines):
-                return
+        spin = time.perf_counter() + SPIN
+        while not all(flags[i] >= target for i in lines):
+            if time.perf_counter() > spin:
+                break
+        else:
+            return
         now = time.monotonic()
         deadline, watch, delay = now + self.timeout, now + WATCH_EVERY, 1e-5
         while not all(flags[i] >= target for i in lines):
