@@ -139,10 +139,14 @@ def test_a_rank_waiting_for_a_live_peer_that_never_comes_times_out_as_a_collecti
     assert rank.classify(err) == "timeout"
 
 
-def test_a_region_no_rank_can_make_room_for_is_none_in_every_rank(tmp_path: Path) -> None:
+def test_a_region_one_rank_cannot_make_room_for_is_none_in_every_rank_and_rank_0_says_so(tmp_path: Path) -> None:
     def body(r: int, path: str) -> Any:
+        import io
+        import sys
+
         import torch
 
+        sys.stderr = told = io.StringIO()
         segment = shm.Segment(path, r, 2, timeout=30)
         if r == 1:  # a /dev/shm too small for this rank
 
@@ -152,10 +156,15 @@ def test_a_region_no_rank_can_make_room_for_is_none_in_every_rank(tmp_path: Path
             shm.os.posix_fallocate = full  # type: ignore[attr-defined]
         first = segment.region(1024, torch.float32)
         second = segment.region(1024, torch.float32)
-        return first is None, second is None, segment.end
+        return first is None, second is None, segment.end, told.getvalue()
 
-    results = ranks(2, tmp_path, body)
-    assert results[0] == results[1] and results[0][:2] == (True, True)
+    (none0, again0, end0, told0), (none1, again1, end1, told1) = ranks(2, tmp_path, body)
+    assert none0 and none1 and again0 and again1 and end0 == end1
+    assert (
+        told0
+        == "accel_magic: some gradients are averaged by gloo, not in shared memory: /dev/shm has no room for them.\n"
+    )
+    assert told1 == ""
 
 
 def test_a_zombie_is_not_alive_and_a_running_process_is() -> None:
