@@ -4,9 +4,10 @@ other collective).
 
 The segment is one file that the ranks map: a header page with each rank's pid, then one region per gradient
 bucket, made when the bucket is first seen (all ranks agree on its place with one gloo all-reduce, once). A region
-is a page of flags, one per rank, then each rank's copy of the bucket. A rank copies its bucket divided by the
-world size into its copy, raises its flag, waits for the others' flags, and sums the copies in rank order, so
-every rank gets the same bits (and, for two ranks, the bits gloo gives). A waiting rank spins briefly, then
+is a page of flags, one per rank, then each rank's copy of the bucket. A rank copies each bucket divided by the
+world size into its copy as DDP hands it over and raises its flag; after the step's last bucket it waits for the
+others' flags and sums the copies in rank order, so every rank gets the same bits (and, for two ranks, the bits
+gloo gives). A waiting rank spins briefly, then
 sleeps with backoff (ranks may outnumber cores), watches its peers' processes, and gives up after the
 collective timeout with an error the rank's classifier files as collateral or as a timeout. The kernel removes
 the segment with the launch's folder (Workdir.remove), whatever happened to the ranks.
@@ -122,19 +123,30 @@ class Segment:
 
     def average(self, region: Region, buffer: Any) -> None:
         """Replace `buffer` (this rank's bucket) with the average of every rank's, in place."""
+        self.collect(region, buffer, self.post(region, buffer))
+
+    def post(self, region: Region, buffer: Any) -> int:
+        """Put this rank's share of `buffer` (divided by the world size) in its copy and raise its flag; the step,
+        for `collect`."""
         import torch
 
-        step, flags, me = region.step, region.flags, self.rank * LINE
+        step, flags = region.step, region.flags
         region.step += 1
         self.wait(flags, 2 * step)  # every rank has read the last step's copies: this rank's may be overwritten
         torch.div(buffer, self.world, out=region.copies[self.rank])
-        flags[me] = 2 * step + 1
-        self.wait(flags, 2 * step + 1)
+        flags[self.rank * LINE] = 2 * step + 1
+        return step
+
+    def collect(self, region: Region, buffer: Any, step: int) -> None:
+        """Once every rank has posted `step`: the sum of the copies, in rank order, into `buffer`."""
+        import torch
+
+        self.wait(region.flags, 2 * step + 1)
         copies = region.copies
         torch.add(copies[0], copies[1], out=buffer)
         for copy in copies[2:]:
             buffer.add_(copy)
-        flags[me] = 2 * step + 2
+        region.flags[self.rank * LINE] = 2 * step + 2
 
     def wait(self, flags: memoryview, target: int) -> None:
         """Until every other rank's flag reaches `target`; a peer that ended, a kernel that went away, or the
@@ -176,6 +188,7 @@ class Averager:
     def __init__(self, segment: Segment, process_group: Any) -> None:
         self.segment, self.process_group = segment, process_group
         self.regions: dict[tuple[int, int, Any], Region | None] = {}
+        self.pending: list[tuple[Region, Any, int, Any]] = []  # posted this step, summed after the last bucket
         self.replacement: tuple[Callable[[Any, Any], Any], Any] | None = None
 
     def hook(self) -> Callable[[Any, Any], Any]:
@@ -194,13 +207,23 @@ class Averager:
                     self.regions[key] = self.segment.region(key[1], buffer.dtype)
                 region = self.regions[key]
             if region is None:
-                return allreduce_hook(self.process_group, bucket)
-            self.segment.average(region, buffer)
-            future: Any = torch.futures.Future()
-            future.set_result(buffer)
+                future = allreduce_hook(self.process_group, bucket)
+            else:
+                future = torch.futures.Future()
+                self.pending.append((region, buffer, self.segment.post(region, buffer), future))
+            if bucket.is_last():  # DDP waits for the futures only after this, the step's last bucket
+                self.collect()
             return future
 
         return shared_memory_average
+
+    def collect(self) -> None:
+        """Sum every bucket posted this step: the ranks wait for each other once a step, not once a bucket, and
+        a rank that is ahead goes on computing its gradients meanwhile."""
+        pending, self.pending = self.pending, []
+        for region, buffer, step, future in pending:
+            self.segment.collect(region, buffer, step)
+            future.set_result(buffer)
 
 
 def has_comm_hook(model: Any) -> bool:

@@ -182,15 +182,16 @@ def test_a_zombie_is_not_alive_and_a_running_process_is() -> None:
     assert not shm.alive(pid)  # reaped: gone
 
 
-def train(r: int, path: str, own_hook: str) -> Any:
-    """A few DDP steps with shm installed; own_hook: "", "before" or "after" the first forward."""
+def train(r: int, path: str, own_hook: str, cap: float = 25) -> Any:
+    """A few DDP steps with shm installed; own_hook: "", "before" or "after" the first forward; buckets of at most
+    `cap` MB."""
     import torch
     import torch.distributed as dist
 
     shm.install(path, timeout=30)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Linear(64, 3))
+        torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Linear(64, 3)), bucket_cap_mb=cap
     )
     calls: list[int] = []
 
@@ -230,3 +231,17 @@ def test_a_ddp_model_gets_the_hook_at_its_first_forward_unless_the_cell_register
     else:
         assert hook0 == "Averager.hook.<locals>.shared_memory_average" and calls0 >= 2  # ours gave way to it
     assert os.path.getsize(tmp_path / "segment") > shm.PAGE or own_hook == "before"
+
+
+def test_a_model_in_many_small_buckets_trains_to_the_bits_of_gloos_average(tmp_path: Path) -> None:
+    import torch
+
+    def body(r: int, path: str) -> Any:
+        ours = train(r, path, "", cap=0.0001)  # a bucket per parameter: posted one by one, summed after the last
+        theirs = train(r, path, "before", cap=0.0001)  # the cell's own hook: gloo's all-reduce of buffer / 2
+        return ours, theirs
+
+    (ours0, theirs0), (ours1, _) = ranks(2, tmp_path, body)
+    assert ours0[1] == "Averager.hook.<locals>.shared_memory_average" and theirs0[2] > 4  # buckets a step: several
+    assert all(torch.equal(a, b) for a, b in zip(ours0[0], ours1[0], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(ours0[0], theirs0[0], strict=True))
