@@ -227,7 +227,8 @@ def _loopback(host: str) -> bool:
 def rank_environment(plan: Plan) -> dict[str, str]:
     """What a rank sets before anything reads it: CPU mode (accelerate 1.13+ otherwise lets every CPU rank
     train alone), precision, threads (so ranks do not oversubscribe the cores), gloo on loopback when every rank
-    is on this machine (across machines gloo takes the interface of the host name, or GLOO_SOCKET_IFNAME)."""
+    is on this machine (across machines gloo takes the interface of the host name, or GLOO_SOCKET_IFNAME), and
+    whether DDP averages gradients in shared memory."""
     env = {
         "ACCELERATE_MIXED_PRECISION": plan.mixed_precision,
         "FORK_LAUNCHED": "1",
@@ -240,6 +241,8 @@ def rank_environment(plan: Plan) -> dict[str, str]:
         env["USE_TORCH_XLA"] = "0"
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(plan.threads_per_process)
+    if plan.allreduce == "shm":
+        env["ACCEL_MAGIC_ALLREDUCE"] = "shm"  # launch.shm.ENV: DDP averages gradients in the launch's segment
     if plan.strategy == "fsdp":
         env["ACCELERATE_USE_FSDP"] = "true"
     elif plan.strategy == "deepspeed":

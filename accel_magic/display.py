@@ -15,6 +15,8 @@ GLOO_CHATTER = re.compile(r"^(?:\[rank \d+\] )?\[Gloo\] Rank \d+ is connected to
 
 def launch_banner(plan: Plan) -> str:
     where = f"{plan.device} ({plan.backend})" if plan.backend else plan.device
+    if plan.allreduce == "shm":  # the off switch is --allreduce gloo
+        where = f"{plan.device} ({plan.backend}, gradients in shared memory)"
     threads = f", {plan.threads_per_process} thread{'s' if plan.threads_per_process != 1 else ''} each"
     mp = f", mixed_precision {plan.mixed_precision}" if plan.mixed_precision != "no" else ""
     nodes = ""

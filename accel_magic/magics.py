@@ -19,7 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.utils.process import arg_split
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, validate
 
-from .plan import DEFAULT_TIMEOUT, MIXED_PRECISION, STRATEGIES, Plan, PlanError, Request, make_plan
+from .plan import ALLREDUCE, DEFAULT_TIMEOUT, MIXED_PRECISION, STRATEGIES, Plan, PlanError, Request, make_plan
 from .runtime import Runtime, probe
 
 __all__ = ["AccelMagics"]
@@ -98,6 +98,7 @@ def plan_arguments(func: Any) -> Any:
             argument("-n", "--num-processes", metavar="N", help="processes (ranks); default: 1 on CPU, one per GPU"),
             argument("--cpu", action="store_true", help="use the CPU even where a GPU or TPU is present"),
             argument("--mixed-precision", metavar="P", help="no, fp16, bf16 or fp8"),
+            argument("--allreduce", metavar="A", help="how CPU ranks average gradients: shm (default) or gloo"),
         ]
     ):
         func = decorator(func)
@@ -130,6 +131,13 @@ class AccelMagics(Magics):
     result = Unicode("accel_result", help="Name of the variable that receives how the last launch ended.").tag(
         config=True
     )
+    allreduce = Enum(
+        ALLREDUCE,
+        None,
+        allow_none=True,
+        help="How CPU ranks on this machine average gradients: shm (in shared memory, the default where it works) "
+        "or gloo (the process group's all-reduce).",
+    ).tag(config=True)
 
     def __init__(self, shell: Any = None, **kwargs: Any):
         super().__init__(shell=shell, **kwargs)
@@ -157,6 +165,7 @@ class AccelMagics(Magics):
             strategy=_choice(args.strategy, STRATEGIES, "--strategy") or self.strategy,
             strict=args.strict or self.strict,
             timeout=self.timeout,
+            allreduce=_choice(args.allreduce, ALLREDUCE, "--allreduce") or self.allreduce,
         )
 
     def _target_name(self, args: Any) -> str:
@@ -430,6 +439,7 @@ class AccelMagics(Magics):
             num_processes=n if n is not None else (base.num_processes or self.num_processes),
             cpu=args.cpu or base.cpu or self.cpu,
             mixed_precision=mp or base.mixed_precision or self.mixed_precision,
+            allreduce=_choice(args.allreduce, ALLREDUCE, "--allreduce") or base.allreduce or self.allreduce,
             timeout=_positive_float(args.timeout, "--timeout") or base.timeout or self.timeout,
             background=args.background,
             **_nodes(args),

@@ -81,7 +81,7 @@ def headline(plan: Plan) -> str:
             parts.append(threads)
     else:
         if plan.backend:
-            parts.append(plan.backend)
+            parts.append(f"{plan.backend}, gradients in shared memory" if plan.allreduce == "shm" else plan.backend)
         if plan.num_nodes > 1:
             parts.append(f"node {plan.node_rank} of {plan.num_nodes}")
         ranks = _count(plan.num_processes, "rank")
@@ -117,6 +117,17 @@ def _versions(plan: Plan) -> str:
     return ", ".join(f"{PACKAGES.get(k, k)}\u00a0{v}" for k, v in plan.runtime.versions if v) or "unknown"
 
 
+def _allreduce(plan: Plan) -> str:
+    if plan.allreduce == "shm":
+        return (
+            "shm: the ranks average gradients in shared memory, gloo does the other collectives "
+            "(--allreduce gloo turns it off)"
+        )
+    if plan.allreduce == "gloo" and plan.device == "cpu":
+        return "gloo: the ranks average gradients through the process group"
+    return plan.allreduce or "none"
+
+
 def detail_groups(plan: Plan) -> list[tuple[str, list[tuple[str, str]]]]:
     """The details, grouped: the plan's settings (accelerate's names) and the runtime it was made for."""
     rt = plan.runtime
@@ -127,6 +138,7 @@ def detail_groups(plan: Plan) -> list[tuple[str, list[tuple[str, str]]]]:
         ("cpu", "True (accelerate's CPU mode)" if plan.cpu else "False"),
         ("device", plan.device),
         ("backend", plan.backend or "none"),
+        ("allreduce", _allreduce(plan)),
         ("strategy", plan.strategy),
         ("threads", f"{plan.threads_per_process} {per}"),
         ("timeout", f"{plan.timeout:g} s for a collective to wait for the other ranks"),

@@ -8,13 +8,25 @@ from typing import Any
 
 from .runtime import Runtime
 
-__all__ = ["Request", "Plan", "Fallback", "PlanError", "make_plan", "parse_endpoint", "MIXED_PRECISION", "STRATEGIES"]
+__all__ = [
+    "Request",
+    "Plan",
+    "Fallback",
+    "PlanError",
+    "make_plan",
+    "parse_endpoint",
+    "MIXED_PRECISION",
+    "STRATEGIES",
+    "ALLREDUCE",
+]
 
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 # Long enough for rank 0 to evaluate or save while the others wait at a barrier; short enough that a rank which
 # skipped a collective does not hang the notebook for torch's 30 minutes.
 DEFAULT_TIMEOUT = 900.0
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
+# How DDP averages gradients across CPU ranks: in shared memory (all ranks on this machine), or by gloo.
+ALLREDUCE = ("shm", "gloo")
 
 
 class PlanError(ValueError):
@@ -35,6 +47,7 @@ class Request:
     node_rank: int = 0  # this machine's place among them (node 0 hosts the rendezvous)
     rdzv_endpoint: str = ""  # HOST:PORT of node 0's rendezvous, for several nodes
     background: bool = False  # the cell returns once the ranks have started; they train while other cells run
+    allreduce: str | None = None  # "shm" or "gloo": how CPU ranks average gradients
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,9 @@ class Plan:
     fallbacks: tuple[Fallback, ...] = ()  # each fallback's note is also in `notes`
     runtime: Runtime = field(default_factory=Runtime, compare=False)
     request: Request = field(default_factory=Request, compare=False)
+    # What averages DDP's gradients across the ranks: "shm" (shared memory; gloo for every other collective) or
+    # the backend's own all-reduce.
+    allreduce: str | None = None
 
     def __repr__(self) -> str:
         from .panel import plan_text
@@ -102,6 +118,7 @@ class Plan:
             "node_rank": self.node_rank,
             "rdzv_endpoint": self.rdzv_endpoint,
             "background": self.background,
+            "allreduce": self.allreduce,
             "notes": list(self.notes),
             "fallbacks": [
                 {"topic": f.topic, "wanted": f.wanted, "using": f.using, "asked": f.asked} for f in self.fallbacks
@@ -138,6 +155,8 @@ def _validate(request: Request) -> None:
     if request.strategy not in STRATEGIES:
         raise PlanError(f"strategy must be one of {', '.join(STRATEGIES)}, not {request.strategy!r}.")
     _validate_nodes(request)
+    if request.allreduce is not None and request.allreduce not in ALLREDUCE:
+        raise PlanError(f"allreduce must be one of {', '.join(ALLREDUCE)}, not {request.allreduce!r}.")
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -322,6 +341,34 @@ def _strategy(rt: Runtime, req: Request, device: str, notes: _Notes) -> str:
     return wanted
 
 
+def _allreduce(rt: Runtime, req: Request, device: str, backend: str | None, n: int, notes: _Notes) -> str | None:
+    """Shared memory when every CPU rank runs on this machine and it has some, unless gloo was asked for; the
+    backend's own all-reduce everywhere else."""
+    wanted = req.allreduce
+    if device != "cpu":
+        if wanted and n * req.num_nodes > 1:
+            notes.fallback(
+                ("allreduce", wanted, str(backend)),
+                f"--allreduce chooses how CPU ranks average gradients, and these ranks run on {device.upper()}",
+                f"the ranks average gradients through {backend}",
+                "leave --allreduce out",
+            )
+        return backend
+    if req.num_nodes > 1 or not rt.shared_memory:
+        if wanted == "shm":
+            notes.fallback(
+                ("allreduce", "shm", "gloo"),
+                "Ranks on several machines cannot share memory"
+                if req.num_nodes > 1
+                else "This machine has no shared memory for the ranks (that needs Linux on x86-64 and a writable "
+                "/dev/shm)",
+                "the ranks average gradients through gloo",
+                "use --allreduce gloo",
+            )
+        return "gloo"
+    return wanted or "shm"
+
+
 def make_plan(runtime: Runtime, request: Request | None = None) -> Plan:
     """Decide device, backend, processes, precision, threads and launch mode.
 
@@ -347,6 +394,7 @@ def make_plan(runtime: Runtime, request: Request | None = None) -> Plan:
         )
     # A background cell always forks, even one process: the kernel must stay free for the notebook's other cells.
     launch = "kernel" if n == 1 and req.num_nodes == 1 and not req.background else "fork"
+    allreduce = _allreduce(runtime, req, device, backend, n, notes)
     # Built on first use on CPU too: an Accelerator the notebook never used then leaves accelerate's shared state
     # empty, which accelerate's own notebook_launcher requires.
     accelerator = "lazy" if device == "cpu" or (device == "cuda" and runtime.gpu_count > 1) else "eager"
@@ -379,4 +427,5 @@ def make_plan(runtime: Runtime, request: Request | None = None) -> Plan:
         fallbacks=tuple(notes.fallbacks),
         runtime=runtime,
         request=req,
+        allreduce=allreduce,
     )

@@ -57,6 +57,7 @@ class Runtime:
     ram_bytes: int | None = None
     cuda_initialized: bool = False
     omp_num_threads: int | None = None
+    shared_memory: bool = False  # ranks can average gradients in /dev/shm: Linux, x86-64, /dev/shm writable
     versions: tuple[tuple[str, str | None], ...] = field(default_factory=tuple)
 
     @property
@@ -163,6 +164,14 @@ def ram_bytes(root: Path) -> int | None:
         if line.startswith("MemTotal:"):
             values.append(int(line.split()[1]) * 1024)
     return min(values) if values else None
+
+
+def shared_memory(root: Path) -> bool:
+    """Whether CPU ranks can average gradients in shared memory: a writable /dev/shm, on x86-64 Linux, whose
+    stores reach other cores in program order (the flags in the segment rely on it; ARM reorders them)."""
+    shm = root / "dev/shm"
+    x86 = _platform.machine().lower() in ("x86_64", "amd64")
+    return sys.platform.startswith("linux") and x86 and shm.is_dir() and os.access(shm, os.W_OK)
 
 
 def _affinity() -> int:
@@ -348,6 +357,7 @@ def probe(
         ram_bytes=ram_bytes(root),
         cuda_initialized=_cuda_initialized(),
         omp_num_threads=_omp(env),
+        shared_memory=shared_memory(root),
         versions=versions(),
     )
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import allreduce
 import launch_overhead
 import memory
 import results_back
@@ -26,6 +27,7 @@ CASES = {
     "throughput": (throughput.measure, {"repeats": 5}, {"repeats": 1}),
     "results": (results_back.measure, {"repeats": 3}, {"repeats": 1}),
     "memory": (memory.measure, {"launches": 20}, {"launches": 5}),
+    "allreduce": (allreduce.measure, {"repeats": 3}, {"repeats": 1}),
 }
 
 

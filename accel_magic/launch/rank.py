@@ -14,6 +14,7 @@ import time
 import traceback
 from typing import Any, Literal, Protocol
 
+from . import shm
 from .guard import REAL_EXIT
 from .outcome import FailureKind, RankFailure
 from .relay import Pipes, capture_kernel_messages, frame
@@ -27,6 +28,7 @@ INTERNAL_EXIT = 70  # a rank whose own machinery failed (EX_SOFTWARE)
 DIST_ERRORS = ("RuntimeError", "DistError", "DistBackendError", "DistStoreError", "DistNetworkError")
 TIMED_OUT = ("timed out waiting", "operation timeout", "socket timeout", "wait timeout")
 COLLATERAL = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
+COLLATERAL += (shm.PEER_ENDED,)  # the shared-memory all-reduce's own words for a peer that ended
 
 Phase = Literal["before", "cell", "after"]
 
@@ -224,6 +226,8 @@ class RankProgram:
         reset_state()  # state copied from the notebook would make the rank believe it trains alone
         if not dist.is_initialized():
             dist.init_process_group(self.backend, timeout=timedelta(seconds=self.timeout))
+        if os.environ.get(shm.ENV) == "shm" and dist.get_world_size() > 1:
+            shm.install(self.workdir.segment, self.timeout)
         self.body.setup(local)
 
     def _run_cell(self, rank: int) -> None:

@@ -1,5 +1,5 @@
-"""The launch's private folder and the records each rank leaves in it: the writer (in the rank) and the reader
-(in the kernel) in one place."""
+"""The launch's private files: its folder and the records each rank leaves in it, the writer (in the rank) and
+the reader (in the kernel) in one place, and the name of its shared-memory segment, removed with the folder."""
 
 from __future__ import annotations
 
@@ -33,12 +33,15 @@ def _root(max_bytes: int) -> str | None:
 
 class Workdir:
     """A 0700 folder with an unguessable name, made for one launch and removed after it. Ranks inherit it
-    through fork; `results` is the folder rank 0 writes its result files into."""
+    through fork; `results` is the folder rank 0 writes its result files into; `segment` is where the ranks may
+    make the launch's shared-memory segment (under /dev/shm, named after the folder), which goes with it."""
 
     def __init__(self, max_bytes: int = 0) -> None:
         self.path = tempfile.mkdtemp(prefix="accel_magic-", dir=_root(max_bytes))
         self.results = os.path.join(self.path, "results")
         os.mkdir(self.results, 0o700)
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else self.path
+        self.segment = os.path.join(shm, os.path.basename(self.path) + ".grads")
 
     def file(self, kind: RecordKind, rank: int) -> str:
         return os.path.join(self.path, f"{kind}-{rank}")
@@ -75,3 +78,5 @@ class Workdir:
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.segment)

@@ -384,7 +384,10 @@ def test_accel_result_says_interrupted_or_failed_after_every_launch_that_ran(liv
     assert live_kernel.text(show).strip() == "<accel_train failed"
     assert live_kernel.text(
         "%%accel_train -n 2\nx = accelerator.num_processes\naccelerator.print('world', x)"
-    ).strip() == ("accel_train: 2 processes on cpu (gloo), 1 thread each; collective timeout 900 s\nworld 2")
+    ).strip() == (
+        "accel_train: 2 processes on cpu (gloo, gradients in shared memory), 1 thread each; collective timeout 900 s\n"
+        "world 2"
+    )
     assert live_kernel.text(show).strip() == "<accel_train ok"
 
 

@@ -207,7 +207,8 @@ def test_setup_displays_one_plain_panel_once_and_the_plan_shows_again_when_asked
     ip.run_cell("plan = %accel_setup -n 2", store_history=True)
     (bundle,) = shown
     assert set(bundle) == {"text/plain", "text/html"}
-    assert bundle["text/plain"].startswith("accel_magic: CPU · gloo · 2 ranks × ")
+    gloo = "gloo, gradients in shared memory" if ip.user_ns["plan"].runtime.shared_memory else "gloo"
+    assert bundle["text/plain"].startswith(f"accel_magic: CPU · {gloo} · 2 ranks × ")
     assert "<details" in bundle["text/html"] and "widget-view" not in bundle["text/html"]
     ip.run_cell("plan", store_history=True)  # the display hook shows the plan the magic returned, like any value
     assert len(shown) == 2 and shown[1] == bundle
@@ -259,3 +260,20 @@ def test_the_launch_outcome_never_replaces_a_users_own_variable_without_a_word(i
     finally:
         for name in ("accel_result", "outcome", "ran"):
             ip.user_ns.pop(name, None)
+
+
+def test_allreduce_is_an_option_of_both_magics_and_a_trait(ip, capsys) -> None:
+    ip.run_line_magic("config", "AccelMagics")
+    assert "AccelMagics.allreduce" in capsys.readouterr().out
+    for magic in (ip.find_line_magic("accel_setup"), ip.find_cell_magic("accel_train")):
+        assert "--allreduce" in magic.__doc__
+    plan = ip.run_line_magic("accel_setup", "--quiet -n 2")
+    assert plan.allreduce == ("shm" if plan.runtime.shared_memory else "gloo")
+    assert ip.run_line_magic("accel_setup", "--quiet -n 2 --allreduce gloo").allreduce == "gloo"
+    ip.run_line_magic("config", "AccelMagics.allreduce = 'gloo'")
+    try:
+        assert ip.run_line_magic("accel_setup", "--quiet -n 2").allreduce == "gloo"
+    finally:
+        ip.run_line_magic("config", "AccelMagics.allreduce = None")
+    with pytest.raises(UsageError, match=r"^--allreduce must be one of shm, gloo, not 'nccl'\.$"):
+        ip.run_line_magic("accel_setup", "--quiet --allreduce nccl")

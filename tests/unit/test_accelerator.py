@@ -60,3 +60,12 @@ def test_rank_environment_turns_on_cpu_mode_and_sets_threads(monkeypatch: pytest
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16" and env["GLOO_SOCKET_IFNAME"] == "lo"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert "OMP_NUM_THREADS" not in rank_environment(make_plan(CPU, Request(num_processes=2)))
+
+
+def test_rank_environment_tells_the_ranks_to_average_in_shared_memory_only_when_the_plan_does() -> None:
+    from accel_magic.launch.shm import ENV
+
+    shared = Runtime(cpu_budget=4, shared_memory=True)
+    assert rank_environment(make_plan(shared, Request(num_processes=2)))[ENV] == "shm"
+    assert ENV not in rank_environment(make_plan(shared, Request(num_processes=2, allreduce="gloo")))
+    assert ENV not in rank_environment(make_plan(CPU, Request(num_processes=2)))

@@ -129,6 +129,28 @@ def _kernel_session() -> bool:
     return params == expected and {"session", "iopub_socket"} <= set(Kernel.class_traits())
 
 
+def _ddp_comm_hook_name() -> bool:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from accel_magic.launch.shm import has_comm_hook
+
+    source = inspect.getsource(DistributedDataParallel.register_comm_hook)
+    builtin = inspect.getsource(DistributedDataParallel._register_builtin_comm_hook)
+    hooked = "_set_comm_hook_name" in source and "_set_comm_hook_name" in builtin
+    if dist.is_initialized():
+        return hooked
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(torch.nn.Linear(2, 2))
+        before = has_comm_hook(model)
+        model.register_comm_hook(None, lambda state, bucket: bucket.buffer())
+        return hooked and not before and has_comm_hook(model)
+    finally:
+        dist.destroy_process_group()
+
+
 def _argparse_actions() -> bool:
     parser = argparse.ArgumentParser()
     action = parser.add_argument("-n", "--num-processes")
@@ -144,6 +166,7 @@ PRIVATE_APIS: list[tuple[str, tuple[str, ...], Callable[[], bool]]] = [
     ("accel_magic.launch.guard", ("_is_in_bad_fork",), _bad_fork_flag),
     ("accel_magic.launch.relay", ("session", "iopub_socket"), _kernel_session),
     ("accel_magic.magics", ("_option_string_actions",), _argparse_actions),
+    ("accel_magic.launch.shm", ("_get_ddp_logging_data",), _ddp_comm_hook_name),
 ]
 
 

@@ -97,6 +97,7 @@ def test_fp16_and_fsdp_on_cpu_read_as_text() -> None:
         "    cpu              True (accelerate's CPU mode)\n"
         "    device           cpu\n"
         "    backend          gloo\n"
+        "    allreduce        gloo: the ranks average gradients through the process group\n"
         "    strategy         ddp\n"
         "    threads          1 per rank\n"
         "    timeout          900 s for a collective to wait for the other ranks\n"

@@ -27,6 +27,11 @@ GPU_CPU_TORCH = Runtime(platform="jupyter", gpus=(T4,), torch_cuda_archs=(), cpu
 TPU_XLA = Runtime(platform="colab", tpu="v5e-1", torch_xla=True, cpu_budget=8)
 TPU_NO_XLA = Runtime(platform="colab", tpu="v5e-1", torch_xla=False, cpu_budget=8)
 MPS = Runtime(platform="jupyter", mps=True, cpu_budget=8)
+CPU2_SHM = Runtime(platform="jupyter", cpu_budget=2, cpu_count=2, shared_memory=True)
+TWO_T4_SHM = Runtime(
+    platform="kaggle", gpus=TWO_T4.gpus, torch_cuda_archs=CU124, cpu_budget=4, cpu_count=4, shared_memory=True
+)
+ACROSS = dict(num_processes=2, num_nodes=2, node_rank=0, rdzv_endpoint="10.0.0.5:29500")
 
 FALLBACK = re.compile(r", so (training|mixed precision|the ranks)")
 
@@ -34,6 +39,36 @@ FALLBACK = re.compile(r", so (training|mixed precision|the ranks)")
 ROWS = [
     ("no GPU gives gloo in CPU mode", CPU2, Request(), dict(device="cpu", backend="gloo", cpu=True), None),
     ("GPUs give nccl", TWO_T4, Request(), dict(device="cuda", backend="nccl", cpu=False, num_processes=2), None),
+    (
+        "CPU ranks on a machine with shared memory average gradients there",
+        CPU2_SHM,
+        Request(num_processes=2),
+        dict(backend="gloo", allreduce="shm", launch="fork"),
+        None,
+    ),
+    (
+        "--allreduce gloo turns shared memory off",
+        CPU2_SHM,
+        Request(num_processes=2, allreduce="gloo"),
+        dict(backend="gloo", allreduce="gloo"),
+        None,
+    ),
+    (
+        "CPU ranks without shared memory average through gloo",
+        CPU2,
+        Request(num_processes=2),
+        dict(allreduce="gloo"),
+        None,
+    ),
+    ("GPU ranks average through nccl", TWO_T4_SHM, Request(), dict(allreduce="nccl"), None),
+    (
+        "--cpu on GPUs averages in shared memory",
+        TWO_T4_SHM,
+        Request(cpu=True, num_processes=2),
+        dict(device="cpu", allreduce="shm"),
+        None,
+    ),
+    ("ranks across machines average through gloo", CPU2_SHM, Request(**ACROSS), dict(allreduce="gloo"), None),
     (
         "--cpu on a GPU machine gives gloo in CPU mode",
         TWO_T4,
@@ -186,6 +221,13 @@ REFUSALS = [
     ("zero processes", CPU2, Request(num_processes=0), "at least 1"),
     ("unknown mixed precision", CPU2, Request(mixed_precision="fp17"), "must be one of"),
     ("unknown strategy", CPU2, Request(strategy="zero3"), "must be one of"),
+    ("unknown allreduce", CPU2_SHM, Request(allreduce="nccl"), "must be one of shm, gloo"),
+    (
+        "shm without shared memory under --strict",
+        CPU2,
+        Request(num_processes=2, allreduce="shm", strict=True),
+        "use --allreduce gloo",
+    ),
 ]
 
 
@@ -248,6 +290,15 @@ FALLBACKS = [
     ("a GPU torch cannot run", P100_CU128, Request(), [("device", "Tesla P100-PCIE-16GB", "cpu", False)]),
     ("a GPU with a CPU build of torch", GPU_CPU_TORCH, Request(), [("device", "Tesla T4", "cpu", False)]),
     ("--cpu on GPUs is what was asked", TWO_T4, Request(cpu=True), []),
+    (
+        "shm without shared memory",
+        CPU2,
+        Request(num_processes=2, allreduce="shm"),
+        [("allreduce", "shm", "gloo", True)],
+    ),
+    ("shm across machines", CPU2_SHM, Request(**ACROSS, allreduce="shm"), [("allreduce", "shm", "gloo", True)]),
+    ("gloo on GPUs", TWO_T4_SHM, Request(allreduce="gloo"), [("allreduce", "gloo", "nccl", True)]),
+    ("shm asked and given", CPU2_SHM, Request(num_processes=2, allreduce="shm"), []),
 ]
 
 

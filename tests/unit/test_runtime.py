@@ -271,3 +271,16 @@ def test_real_probe_reads_the_versions_of_this_environment() -> None:
     rt = probe(env={"CUDA_VISIBLE_DEVICES": ""})
     assert rt.version["python"] == "{}.{}.{}".format(*sys.version_info[:3])
     assert rt.version["torch"] and torch.__version__.startswith(rt.version["torch"])  # 2.11.0 of 2.11.0+cu130
+
+
+def test_shared_memory_is_a_writable_dev_shm_on_x86_64_linux(tmp_path, monkeypatch) -> None:
+    import platform
+
+    from accel_magic.runtime import shared_memory
+
+    assert not shared_memory(tmp_path)  # no /dev/shm there
+    (tmp_path / "dev" / "shm").mkdir(parents=True)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert shared_memory(tmp_path) == sys.platform.startswith("linux")
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")  # ARM reorders stores: the flags would lie
+    assert not shared_memory(tmp_path)

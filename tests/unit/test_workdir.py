@@ -141,3 +141,14 @@ def test_without_tmpdir_a_small_result_limit_puts_the_folder_in_memory(monkeypat
         assert os.path.dirname(made.path) == "/dev/shm"
     finally:
         made.remove()
+
+
+def test_the_shared_memory_segment_is_named_after_the_folder_and_goes_with_it() -> None:
+    made = Workdir()
+    assert os.path.basename(made.segment) == os.path.basename(made.path) + ".grads"
+    assert os.path.dirname(made.segment) == ("/dev/shm" if os.access("/dev/shm", os.W_OK) else made.path)
+    with open(made.segment, "wb") as f:  # as a rank makes it
+        f.write(b"\0" * 4096)
+    made.remove()
+    assert not os.path.exists(made.segment) and not os.path.exists(made.path)
+    made.remove()  # twice, or never made by any rank: nothing to do

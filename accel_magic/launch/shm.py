@@ -1,0 +1,277 @@
+"""The launch's shared-memory gradient averaging: CPU ranks on one machine average DDP's gradient buckets in a
+segment under /dev/shm, synchronised by flags in that segment, instead of through gloo (which stays for every
+other collective).
+
+The segment is one file that the ranks map: a header page with each rank's pid, then one region per gradient
+bucket, made when the bucket is first seen (all ranks agree on its place with one gloo all-reduce, once). A region
+is a page of flags, one per rank, then each rank's copy of the bucket. A rank copies each bucket divided by the
+world size into its copy as DDP hands it over and raises its flag; after the step's last bucket it waits for the
+others' flags and sums the copies in rank order, so every rank gets the same bits (and, for two ranks, the bits
+gloo gives). A waiting rank spins briefly, then
+sleeps with backoff (ranks may outnumber cores), watches its peers' processes, and gives up after the
+collective timeout with an error the rank's classifier files as collateral or as a timeout. The kernel removes
+the segment with the launch's folder (Workdir.remove), whatever happened to the ranks.
+
+Private API of torch, used here only:
+- `DistributedDataParallel._get_ddp_logging_data()` (torch 1.9 and later) and its "comm_hook" key, which
+  register_comm_hook and the builtin hooks set: whether a model already has a communication hook when its first
+  forward starts, since DDP takes one hook per model. Fallback: none; a test fails when it moves.
+
+Patched, not private: `DistributedDataParallel.__init__` (torch 1.x and later) is wrapped in a rank, to watch
+each model built there, and the instance's `register_comm_hook`, so that a hook the cell registers after the
+first forward replaces ours instead of failing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["ENV", "PEER_ENDED", "Segment", "Region", "install", "watch", "has_comm_hook", "alive"]
+
+ENV = "ACCEL_MAGIC_ALLREDUCE"  # "shm" in a rank's environment: average gradients in the launch's segment
+# Words of the error a rank raises when a peer ended while it waited: the rank's classifier files it as collateral.
+PEER_ENDED = "ended while this rank waited for its gradients"
+PAGE = mmap.PAGESIZE
+LINE = 16  # int32 flags between two ranks' flags: a cache line each, so a rank's writes never touch another's
+SPIN = 50e-6  # seconds a waiting rank checks the flags without pause before it sleeps (ranks may outnumber cores)
+LONGEST_SLEEP = 0.0002  # seconds: the backoff's cap, the most a rank can oversleep a peer's flag
+TIMER_SLACK_NS = 1000  # a rank's sleeps end within a microsecond of their time, not Linux's default 50
+PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
+WATCH_EVERY = 0.005  # seconds between two looks at the peers' processes while waiting (a /proc read each)
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, which the kernel has not reaped yet, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
+
+
+class Region:
+    """One bucket's place in the segment: a flag per rank, then a copy of the bucket per rank."""
+
+    def __init__(self, fd: int, offset: int, world: int, nbytes: int, dtype: Any) -> None:
+        import torch
+
+        head = _round_up(world * LINE * 4, PAGE)
+        self.stride = _round_up(nbytes, 64)
+        self.map = mmap.mmap(fd, head + world * self.stride, offset=offset)
+        self.flags = memoryview(self.map)[:head].cast("i")
+        raw = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.copies = [raw[head + r * self.stride : head + r * self.stride + nbytes].view(dtype) for r in range(world)]
+        self.step = 0
+
+    @staticmethod
+    def size(world: int, nbytes: int) -> int:
+        return _round_up(_round_up(world * LINE * 4, PAGE) + world * _round_up(nbytes, 64), PAGE)
+
+
+class Segment:
+    """This rank's view of the launch's segment, and the waiting on the other ranks' flags."""
+
+    def __init__(self, path: str, rank: int, world: int, timeout: float) -> None:
+        self.rank, self.world, self.timeout = rank, world, timeout
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        header = _round_up(world * 8, PAGE)
+        os.posix_fallocate(self.fd, 0, header)
+        self.header = mmap.mmap(self.fd, header)
+        self.pids = memoryview(self.header).cast("q")
+        self.pids[rank] = os.getpid()
+        self.parent = os.getppid()
+        self.end = header  # where the next region goes: the same in every rank
+        self.others = [r for r in range(world) if r != rank]
+        self.told = False  # whether rank 0 said that a bucket goes through gloo
+
+    def region(self, nbytes: int, dtype: Any) -> Region | None:
+        """A new region at the end of the segment, or None when one of the ranks could not make room for it (a
+        small /dev/shm) or the ranks disagree on it: then that bucket goes through gloo. A gloo collective, so
+        every rank calls it for the same bucket at the same time."""
+        import torch
+        import torch.distributed as dist
+
+        size = Region.size(self.world, nbytes)
+        ok = 1
+        try:
+            os.posix_fallocate(self.fd, self.end, size)
+        except OSError:
+            ok = 0
+        agreed = torch.tensor([ok, self.end, -self.end, size, -size], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        ok, low, high, small, big = agreed.tolist()
+        self.end = -high + -big  # past the furthest rank's idea of it: the same in every rank
+        if not ok or low != -high or small != -big:
+            if self.rank == 0 and not self.told:
+                self.told = True
+                why = "/dev/shm has no room for them" if not ok else "the ranks' gradient buckets differ"
+                sys.stderr.write(f"accel_magic: some gradients are averaged by gloo, not in shared memory: {why}.\n")
+            return None
+        return Region(self.fd, low, self.world, nbytes, dtype)
+
+    def average(self, region: Region, buffer: Any) -> None:
+        """Replace `buffer` (this rank's bucket) with the average of every rank's, in place."""
+        self.collect(region, buffer, self.post(region, buffer))
+
+    def post(self, region: Region, buffer: Any) -> int:
+        """Put this rank's share of `buffer` (divided by the world size) in its copy and raise its flag; the step,
+        for `collect`."""
+        import torch
+
+        step, flags = region.step, region.flags
+        region.step += 1
+        self.wait(flags, 2 * step)  # every rank has read the last step's copies: this rank's may be overwritten
+        torch.div(buffer, self.world, out=region.copies[self.rank])
+        flags[self.rank * LINE] = 2 * step + 1
+        return step
+
+    def collect(self, region: Region, buffer: Any, step: int) -> None:
+        """Once every rank has posted `step`: the sum of the copies, in rank order, into `buffer`."""
+        import torch
+
+        self.wait(region.flags, 2 * step + 1)
+        copies = region.copies
+        torch.add(copies[0], copies[1], out=buffer)
+        for copy in copies[2:]:
+            buffer.add_(copy)
+        region.flags[self.rank * LINE] = 2 * step + 2
+
+    def wait(self, flags: memoryview, target: int) -> None:
+        """Until every other rank's flag reaches `target`; a peer that ended, a kernel that went away, or the
+        collective timeout raise a RuntimeError instead."""
+        lines = [r * LINE for r in self.others]
+        spin = time.perf_counter() + SPIN
+        while not all(flags[i] >= target for i in lines):
+            if time.perf_counter() > spin:
+                break
+        else:
+            return
+        now = time.monotonic()
+        deadline, watch, delay = now + self.timeout, now + WATCH_EVERY, 1e-5
+        while not all(flags[i] >= target for i in lines):
+            time.sleep(delay)
+            delay = min(delay * 2, LONGEST_SLEEP)
+            now = time.monotonic()
+            if now >= watch:
+                watch = now + WATCH_EVERY
+                self._watch(flags, target)
+                if now >= deadline:
+                    late = next(r for r in self.others if flags[r * LINE] < target)
+                    raise RuntimeError(
+                        f"the shared-memory all-reduce timed out waiting {self.timeout:g} s for rank {late}'s gradients"
+                    )
+
+    def _watch(self, flags: memoryview, target: int) -> None:
+        for r in self.others:
+            pid = self.pids[r]
+            if flags[r * LINE] < target and pid and not alive(pid):
+                raise RuntimeError(f"rank {r} {PEER_ENDED} (shared-memory all-reduce): its process is gone")
+        if os.getppid() != self.parent:
+            raise RuntimeError(f"the kernel {PEER_ENDED} (shared-memory all-reduce): it is gone")
+
+
+class Averager:
+    """One DDP model's communication hook: its buckets' regions, and the hook the cell may register later."""
+
+    def __init__(self, segment: Segment, process_group: Any) -> None:
+        self.segment, self.process_group = segment, process_group
+        self.regions: dict[tuple[int, int, Any], Region | None] = {}
+        self.pending: list[tuple[Region, Any, int, Any]] = []  # posted this step, summed after the last bucket
+        self.replacement: tuple[Callable[[Any, Any], Any], Any] | None = None
+
+    def hook(self) -> Callable[[Any, Any], Any]:
+        def shared_memory_average(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads annotations as types
+            import torch
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            if self.replacement is not None:
+                hook, state = self.replacement
+                return hook(state, bucket)
+            buffer = bucket.buffer()
+            region = None
+            if buffer.device.type == "cpu" and buffer.layout == torch.strided and buffer.is_contiguous():
+                key = (bucket.index(), buffer.numel() * buffer.element_size(), buffer.dtype)
+                if key not in self.regions:
+                    self.regions[key] = self.segment.region(key[1], buffer.dtype)
+                region = self.regions[key]
+            if region is None:
+                future = allreduce_hook(self.process_group, bucket)
+            else:
+                future = torch.futures.Future()
+                self.pending.append((region, buffer, self.segment.post(region, buffer), future))
+            if bucket.is_last():  # DDP waits for the futures only after this, the step's last bucket
+                self.collect()
+            return future
+
+        return shared_memory_average
+
+    def collect(self) -> None:
+        """Sum every bucket posted this step: the ranks wait for each other once a step, not once a bucket, and
+        a rank that is ahead goes on computing its gradients meanwhile."""
+        pending, self.pending = self.pending, []
+        for region, buffer, step, future in pending:
+            self.segment.collect(region, buffer, step)
+            future.set_result(buffer)
+
+
+def has_comm_hook(model: Any) -> bool:
+    """Whether a DDP model has a communication hook (registered by the cell, by accelerate, or ours)."""
+    return bool(model._get_ddp_logging_data().get("comm_hook"))
+
+
+def watch(model: Any, segment: Segment) -> None:
+    """Give a DDP model of the whole group our hook at its first forward, unless it has one by then; a hook the
+    cell registers later takes the place of ours."""
+    import torch.distributed as dist
+
+    if model.process_group is not dist.group.WORLD:
+        return
+    averager = Averager(segment, model.process_group)
+    registered = False
+
+    def first_forward(module: Any, args: Any) -> None:
+        nonlocal registered
+        handle.remove()
+        if not has_comm_hook(model):
+            model.register_comm_hook(None, averager.hook())
+            registered = True
+
+    def register_comm_hook(state: Any, hook: Callable[[Any, Any], Any]) -> None:
+        if not registered:
+            return type(model).register_comm_hook(model, state, hook)
+        averager.replacement = (hook, state)
+
+    handle = model.register_forward_pre_hook(first_forward)
+    model.register_comm_hook = register_comm_hook
+
+
+def install(path: str, timeout: float) -> None:
+    """In a rank, once its process group is up: every DistributedDataParallel model built from now on averages its
+    gradients through the segment at `path`, waiting at most `timeout` seconds for the other ranks."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    segment = Segment(path, dist.get_rank(), dist.get_world_size(), timeout)
+    with contextlib.suppress(Exception):  # short sleeps while waiting, without oversleeping a peer's flag
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)
+    original = DistributedDataParallel.__init__
+    original = getattr(original, "__wrapped__", original)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        watch(self, segment)
+
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    DistributedDataParallel.__init__ = __init__  # type: ignore[method-assign]
