@@ -354,6 +354,8 @@ def _allreduce(rt: Runtime, req: Request, device: str, backend: str | None, n: i
                 "leave --allreduce out",
             )
         return backend
+    if n * req.num_nodes == 1:  # one rank: nothing to average
+        return backend
     if req.num_nodes > 1 or not rt.shared_memory:
         if wanted == "shm":
             notes.fallback(

@@ -70,6 +70,13 @@ ROWS = [
     ),
     ("ranks across machines average through gloo", CPU2_SHM, Request(**ACROSS), dict(allreduce="gloo"), None),
     (
+        "one rank has nothing to average",
+        CPU2_SHM,
+        Request(num_processes=1, background=True),
+        dict(allreduce="gloo"),
+        None,
+    ),  # fmt: skip
+    (
         "--cpu on a GPU machine gives gloo in CPU mode",
         TWO_T4,
         Request(cpu=True),
