@@ -19,7 +19,8 @@ def leftovers():
     me = psutil.Process()
     return (me.children(recursive=True),
             [c.laddr for c in (getattr(me, 'net_connections', None) or me.connections)() if c.status == 'LISTEN'],
-            sorted(glob.glob(tempfile.gettempdir() + '/torchelastic_*') + glob.glob(tempfile.gettempdir() + '/accel_magic-*')))
+            sorted(glob.glob(tempfile.gettempdir() + '/torchelastic_*') + glob.glob(tempfile.gettempdir() + '/accel_magic-*')
+                   + glob.glob('/dev/shm/accel_magic-*')))
 before = leftovers()  # the kernel's own sockets
 def settled(within=10.0):
     # what the launches left behind: no child, no other listening socket, no folder
@@ -27,7 +28,7 @@ def settled(within=10.0):
     while leftovers() != before and time.monotonic() < end:
         time.sleep(0.1)
     now = leftovers()
-    return now[0], sorted(set(now[1]) - set(before[1])), now[2]
+    return now[0], sorted(set(now[1]) - set(before[1])), sorted(set(now[2]) - set(before[2]))
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -82,7 +83,7 @@ def test_the_cell_returns_at_once_and_a_foreground_cell_computes_while_the_ranks
     k.execute(SETUP + "mine = id(model)\nweights = model.weight.detach().clone()")
     reply, outputs = k.execute(TRAIN.format(seconds=3))
     assert reply["status"] == "ok"
-    assert "2 processes on cpu (gloo)" in outputs[0]["text"]
+    assert "2 processes on cpu (gloo" in outputs[0]["text"] and "in the background" in outputs[0]["text"]
     widget = [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     assert len(widget) == 1 and "VBox" in widget[0]["data"]["text/plain"]
     assert k.text("print(accel_result.status, sorted(accel_result.pids))").startswith("running [0, 1]")
@@ -227,11 +228,14 @@ def test_one_process_runs_in_the_background_and_rank_0s_bar_goes_into_the_widget
 def test_a_kernel_that_ends_or_an_unloaded_extension_leaves_nothing_running(live_kernel, private_tmpdir, how) -> None:
     """A kernel killed outright (SIGKILL) cannot clean up: its ranks still end with it, its files stay."""
     k = live_kernel
+    segments = set(glob.glob("/dev/shm/accel_magic-*.grads"))  # other programs'
     k.execute(SETUP)
-    k.execute(LONG)
-    wait_for(k, "accel_result.last_line[1].startswith('step')")
+    k.execute(TRAIN.format(seconds=600))  # a DDP model: its gradients go through a shared-memory segment
+    wait_for(k, "accel_result.last_line[1].startswith('loss')")
     pids = eval(k.text("print(list(accel_result.pids.values()))"))
     assert len(pids) == 2 and glob.glob(os.path.join(private_tmpdir, "accel_magic-*"))
+    ours = set(glob.glob("/dev/shm/accel_magic-*.grads")) - segments
+    assert len(ours) == 1
     if how == "unload":
         k.execute("%unload_ext accel_magic")
         assert k.text("print(settled())").strip() == "([], [], [])"
@@ -246,9 +250,12 @@ def test_a_kernel_that_ends_or_an_unloaded_extension_leaves_nothing_running(live
         time.sleep(0.1)
     assert not alive(pids)
     if how == "kill":
+        for path in ours:  # nothing could remove it
+            os.remove(path)
         return
     assert not glob.glob(os.path.join(private_tmpdir, "accel_magic-*"))
     assert not glob.glob(os.path.join(private_tmpdir, "torchelastic_*"))
+    assert not ours & set(glob.glob("/dev/shm/accel_magic-*.grads"))
 
 
 def test_a_short_cells_results_are_never_lost_whether_it_ended_before_returning_or_after(live_kernel) -> None:
