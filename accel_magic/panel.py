@@ -81,7 +81,7 @@ def headline(plan: Plan) -> str:
             parts.append(threads)
     else:
         if plan.backend:
-            parts.append(f"{plan.backend}, gradients in shared memory" if plan.allreduce == "shm" else plan.backend)
+            parts.append(plan.backend)  # shared-memory averaging is in the details (the headline fits 720 px)
         if plan.num_nodes > 1:
             parts.append(f"node {plan.node_rank} of {plan.num_nodes}")
         ranks = _count(plan.num_processes, "rank")

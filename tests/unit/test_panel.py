@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from html.parser import HTMLParser
 
 import pytest
@@ -52,6 +53,12 @@ HEADLINES = [
     ),
     ("MPS without versions", MPS, Request(), "Apple GPU (MPS) · in the kernel"),
     ("fp16 and FSDP on CPU", CPU2, FSDP_FP16, "CPU · gloo · 2 ranks × 1 thread · accelerate 1.16"),
+    (
+        "CPU ranks that share memory (the details say so)",
+        replace(CPU2, shared_memory=True),
+        Request(num_processes=2),
+        "CPU · gloo · 2 ranks × 1 thread · accelerate 1.16",
+    ),
     (
         "one node of two",
         CPU2,
@@ -240,3 +247,11 @@ def test_html_escapes_what_the_runtime_reports() -> None:
     markup = plan_html(make_plan(odd))
     assert "<b>GPU</b>" not in markup and "&lt;b&gt;GPU&lt;/b&gt; &amp; co" in markup
     parse(markup)
+
+
+def test_the_details_say_how_cpu_ranks_average_gradients_and_how_to_turn_it_off() -> None:
+    shm = make_plan(replace(CPU2, shared_memory=True), Request(num_processes=2))
+    text = plan_text(shm)
+    assert "allreduce        shm: the ranks average gradients in shared memory" in text
+    assert "(--allreduce gloo turns it off)" in " ".join(text.split())
+    assert "allreduce        gloo" in plan_text(make_plan(CPU2, Request(num_processes=2)))
