@@ -4,7 +4,7 @@ convolutional net whose gradients travel in many small buckets; loop time on ran
 
 from __future__ import annotations
 
-from common import Section, figures, med, run_cells, spread, verdict
+from common import TIMED_STEPS, Section, figures, med, run_cells, spread, verdict
 
 NETS = {
     "MLP 128-1024-1024-10": """
@@ -30,21 +30,8 @@ torch.manual_seed(0)
 {net}
 accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=cap)])
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-model, opt = accelerator.prepare(model, opt)
-per_rank = 128 // accelerator.num_processes
-xs = torch.randn(8, per_rank, *shape); ys = torch.randint(0, 10, (8, per_rank))
-def step(i):
-    loss = F.cross_entropy(model(xs[i % 8]), ys[i % 8])
-    accelerator.backward(loss); opt.step(); opt.zero_grad()
-for i in range(5):
-    step(i)
-accelerator.wait_for_everyone()
-t0 = time.perf_counter()
-for i in range(200):
-    step(i)
-accelerator.wait_for_everyone()
-accelerator.print(f"LOOP {{time.perf_counter() - t0:.4f}}")
-"""
+model, opt = accelerator.prepare(model, opt)"""
+
 
 ONE = "one process"
 
@@ -53,7 +40,7 @@ def cases() -> dict[tuple[str, str], str]:
     """(net, case) -> the cell that measures it; the one-process anchor runs in the kernel itself."""
     found = {}
     for net, body in NETS.items():
-        loop = LOOP.format(net=body.strip())
+        loop = LOOP.format(net=body.strip()) + TIMED_STEPS
         for n in (2, 4):
             for how in ("shm", "gloo"):
                 found[(net, f"-n {n} {how}")] = f"%%accel_train -n {n} --allreduce {how} --no-return\n{loop}"

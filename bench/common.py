@@ -12,6 +12,24 @@ from importlib import metadata
 import nbformat
 from nbclient import NotebookClient
 
+# The timed part of the data-parallel benchmarks, run where `model` and `opt` are prepared and `shape` is one
+# sample's: 5 warm-up steps, then 200 timed steps of a global batch of 128; rank 0 prints the loop's time.
+TIMED_STEPS = """
+per_rank = 128 // accelerator.num_processes
+xs = torch.randn(8, per_rank, *shape); ys = torch.randint(0, 10, (8, per_rank))
+def step(i):
+    loss = F.cross_entropy(model(xs[i % 8]), ys[i % 8])
+    accelerator.backward(loss); opt.step(); opt.zero_grad()
+for i in range(5):
+    step(i)
+accelerator.wait_for_everyone()
+t0 = time.perf_counter()
+for i in range(200):
+    step(i)
+accelerator.wait_for_everyone()
+accelerator.print(f"LOOP {time.perf_counter() - t0:.4f}")
+"""
+
 
 @dataclass
 class Section:

@@ -3,9 +3,10 @@ time on rank 0, alternated in one kernel session."""
 
 from __future__ import annotations
 
-from common import Section, figures, med, run_cells, spread, verdict
+from common import TIMED_STEPS, Section, figures, med, run_cells, spread, verdict
 
-LOOP = """
+LOOP = (
+    """
 import time, torch
 import torch.nn.functional as F
 torch.manual_seed(0)
@@ -13,20 +14,9 @@ model = torch.nn.Sequential(torch.nn.Linear(128, 1024), torch.nn.ReLU(), torch.n
                             torch.nn.Linear(1024, 10))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 model, opt = accelerator.prepare(model, opt)
-per_rank = 128 // accelerator.num_processes
-xs = torch.randn(8, per_rank, 128); ys = torch.randint(0, 10, (8, per_rank))
-def step(i):
-    loss = F.cross_entropy(model(xs[i % 8]), ys[i % 8])
-    accelerator.backward(loss); opt.step(); opt.zero_grad()
-for i in range(5):
-    step(i)
-accelerator.wait_for_everyone()
-t0 = time.perf_counter()
-for i in range(200):
-    step(i)
-accelerator.wait_for_everyone()
-accelerator.print(f"LOOP {time.perf_counter() - t0:.4f}")
-"""
+shape = (128,)"""
+    + TIMED_STEPS
+)
 
 
 def launcher_cell(threads: int | None) -> str:
