@@ -136,11 +136,39 @@ def test_names_used_inside_functions_are_deferred_to_when_they_are_called(source
         ("data = []\ndata.append(1)", set()),
         ("def f():\n    model.reset()\ng = lambda: torch.manual_seed(1)", set()),
         ("[m.reset() for m in models]", set()),
+        ("model.train()", {"model"}),
+        ("opt.step()\nopt.zero_grad()", {"opt"}),
+        ("model.cpu().eval()", {"model"}),
+        ('model.to("cpu")\nx.add_(1)\nw.data.fill_(0)', {"model", "x", "w"}),
+        ("logging.basicConfig(level=10)", {"logging"}),
+        ("print(model.load_state_dict(state))", {"model"}),
+        ("print(opt.step(), x.add_(1), log.pop())", {"opt", "x", "log"}),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
 def test_a_cell_changes_objects_of_other_cells_through_calls_and_assignments(source: str, expected: set[str]) -> None:
     assert needed_names(ast.parse(source)).mutated == expected
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "print(torch.cuda.is_available())",
+        "torch.cuda.device_count()",
+        "torch.cuda.get_device_name(0)\ntorch.distributed.is_initialized()",
+        "print(x.mean().item())",
+        "print(model.weight.sum())",
+        "sum(p.numel() for p in model.parameters())",
+        "x.size(), x.dim(), x.norm(), x.max(), x.std().tolist()",
+        "list(model.state_dict().keys())\nfor name, p in model.named_parameters():\n    pass",
+        'print(f"{loss.item():.3f} on {torch.cuda.get_device_name(0)}", file=sys.stderr)',
+        "display(model)\ndisplay(HTML(frame.to_html()))\nIPython.display.display(Markdown(notes.render()))",
+        'logging.info("%s", model.extra_repr())\nlogger.warning(x.abs().max())\nlogging.getLogger(__name__).info(x)',
+        "accelerator.print(model.weight.grad.clone())",
+    ],
+)
+def test_showing_values_and_read_only_methods_change_nothing(source: str) -> None:
+    assert needed_names(ast.parse(source)).mutated == frozenset()
 
 
 def test_needed_names_keep_the_line_of_the_first_use() -> None:
@@ -240,6 +268,22 @@ def test_cells_that_change_a_used_object_without_rebinding_it_are_taken(tmp_path
     assert reasons[6] == "changes model (used by [8])"
     assert reasons[7] == "changes opt (used by [8])"
     assert reasons[4] == "defines state (used by [6])"
+
+
+def test_cells_that_only_show_values_are_left_out_and_a_cell_that_changes_one_is_kept(tmp_path: Path) -> None:
+    result = export(
+        "import torch",  # [1]
+        "model = torch.nn.Linear(3, 1)\nx = torch.ones(4, 3)",  # [2]
+        "print(torch.cuda.is_available())\ntorch.cuda.device_count()",  # [3]
+        "print(x.mean().item())\nprint(model.weight.sum())",  # [4]
+        "sum(p.numel() for p in model.parameters())",  # [5]
+        'import logging\nlogging.info(f"{x.norm().item():.2f}")\ndisplay(model)',  # [6]
+        "model.train()",  # [7]
+        "%%accel_train\nmodel = accelerator.prepare(model)\nprint(model(x))",
+        tmp=tmp_path,
+    )
+    assert taken(result) == [1, 2, 7, 8]
+    assert dict(result.cells)[7] == "changes model (used by [8])"
 
 
 def test_a_change_before_the_name_is_bound_again_is_left_out(tmp_path: Path) -> None:
