@@ -740,8 +740,9 @@ def _resolve(cells: list[_Cell], training: _Cell, accelerator_name: str) -> tupl
     """Which cells before the training cell it depends on, followed transitively: for each name a cell needs at
     top level, the latest cell before it that binds it; for each name its functions use, the latest cell before the
     training cell that binds it (a function looks its names up when called); and every cell between that one and the
-    training cell that changes the object the name holds (a seed, loaded weights). Returns {cell: {"defines" or
-    "changes": {name: the cells that use it}}} and whether `display` is used without a cell that defines it."""
+    use (the cell, or for a function's name the training cell) that changes the object the name holds (a seed,
+    loaded weights): a change matters only to what runs after it. Returns {cell: {"defines" or "changes": {name:
+    the cells that use it}}} and whether `display` is used without a cell that defines it."""
     used: dict[int, dict[str, _Users]] = {training.count: {}}
     queue, display, seen = [training], False, {training.count}
 
@@ -784,7 +785,7 @@ def _resolve(cells: list[_Cell], training: _Cell, accelerator_name: str) -> tupl
                 continue
             if definer is not cell:  # else a function of the cell uses what the cell itself binds
                 take(definer, "defines", name, cell)
-            for changer in cells:
+            for changer in before:  # a change matters to the cells that run after it
                 if definer.count < changer.count and changer is not cell and name in changer.names.mutated:
                     take(changer, "changes", name, cell)
         if history:

@@ -286,6 +286,25 @@ def test_cells_that_only_show_values_are_left_out_and_a_cell_that_changes_one_is
     assert dict(result.cells)[7] == "changes model (used by [8])"
 
 
+def test_a_change_matters_only_to_the_cells_that_run_after_it(tmp_path: Path) -> None:
+    result = export(
+        "import torch",  # [1]
+        "model = torch.nn.Linear(2, 2)",  # [2] ran before the seed
+        "torch.manual_seed(0)",  # [3]
+        "%%accel_train\nx = torch.randn(2)\nmodel = accelerator.prepare(model)",
+        tmp=tmp_path,
+    )
+    assert taken(result) == [1, 2, 3, 4]
+    assert dict(result.cells)[1] == "defines torch (used by [2], [3], [4])"
+    assert dict(result.cells)[3] == "changes torch (used by [4])"
+    late = export("x = []", "y = list(x)", "x.append(1)", "%%accel_train\nz = y", tmp=tmp_path)
+    assert taken(late) == [1, 2, 4]  # [3] changed x after [2] had read it
+    called = export("import torch", "def draw():\n    return torch.randn(1)", "torch.manual_seed(0)",
+                    "%%accel_train\nx = draw()", tmp=tmp_path)  # fmt: skip
+    assert taken(called) == [1, 2, 3, 4]  # the function in [2] runs when [4] calls it, after the seed
+    assert dict(called.cells)[3] == "changes torch (used by [2])"
+
+
 def test_a_change_before_the_name_is_bound_again_is_left_out(tmp_path: Path) -> None:
     result = export("x = []", "x.append(1)", "x = [2]", "x.append(3)", "%%accel_train\ny = x", tmp=tmp_path)
     assert taken(result) == [3, 4, 5]
