@@ -679,7 +679,7 @@ def _indent(text: str, columns: int) -> str:
 class _Cell:
     count: int
     source: str  # as Python, the magics translated (or only transformed where that failed)
-    first_line: int  # the cell line of the source's line 1 (an %%accel_train cell's body starts at line 2)
+    first_line: int  # the cell line of the source's line 1
     training: bool
     names: Names
     error: ExportError | None  # why the cell cannot go into a script, should it be needed
@@ -688,11 +688,12 @@ class _Cell:
 
 def _body(raw: str) -> tuple[str, int, bool]:
     """The cell's code (an %%accel_train cell's without its magic line), the cell line of its first line, and
-    whether it is an %%accel_train cell."""
+    whether it is an %%accel_train cell. An %%accel_train cell's lines are numbered as a launch's tracebacks
+    number them ("Cell line 1"): from the line below the magic."""
     found = _magic_line(raw)
     if found is None:
         return raw, 1, False
-    return "\n".join(raw.splitlines()[found[0] + 1 :]), found[0] + 2, True
+    return "\n".join(raw.splitlines()[found[0] + 1 :]), 1, True
 
 
 def _read_cells(history: Sequence[tuple[int, str]], transform: Callable[[str], str]) -> list[_Cell]:

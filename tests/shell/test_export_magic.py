@@ -4,6 +4,7 @@ plain `python` runs to the notebook's own weights; refusals as one UsageError se
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +136,12 @@ def test_refusals_are_one_sentence(ip, tmp_path: Path, monkeypatch: pytest.Monke
     (tmp_path / "folder.py").mkdir()
     run(ip, "%%accel_train -n 1\nx = 1")
     assert "is a folder" in usage_error(ip, f"{tmp_path}/folder.py")
+
+
+def test_a_training_cells_refusal_counts_its_lines_below_the_magic_as_a_launch_does(ip, tmp_path: Path) -> None:
+    run(ip, "%%accel_train -n 1\nx = 1\n\n%who_ls")
+    message = usage_error(ip, f"{tmp_path}/t.py")
+    assert re.match(r"Cell \[\d+\] line 3 uses %who_ls, which has no plain-Python equivalent: ", message), message
 
 
 def test_unload_ext_removes_the_magic(ip) -> None:

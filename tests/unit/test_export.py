@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from accel_magic.cell import compile_cell
 from accel_magic.export import (
     ExportError,
     Settings,
@@ -19,6 +20,7 @@ from accel_magic.export import (
     needed_names,
     script_paths,
 )
+from accel_magic.launch.rank import cell_traceback
 
 
 def transform(raw: str) -> str:
@@ -328,7 +330,7 @@ def test_a_name_bound_later_in_the_cell_itself_is_its_own(tmp_path: Path) -> Non
 def test_ipython_history_names_and_get_ipython_are_refused_in_one_sentence(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=r"^Cell \[2\] uses `_`, IPython's input and output history"):
         export("1 + 1", "%%accel_train\nx = _", tmp=tmp_path)
-    with pytest.raises(ExportError, match=r"^Cell \[1\] line 3 calls get_ipython\(\), which a script does not"):
+    with pytest.raises(ExportError, match=r"^Cell \[1\] line 2 calls get_ipython\(\), which a script does not"):
         export("%%accel_train\nx = 1\nget_ipython().user_ns", tmp=tmp_path)
 
 
@@ -426,13 +428,27 @@ def test_magics_without_a_python_equivalent_are_refused_with_cell_and_line(cell:
     assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")
 
 
-def test_a_training_cell_magic_is_refused_with_its_line_in_the_cell(tmp_path: Path) -> None:
-    with pytest.raises(ExportError, match=r"^Cell \[1\] line 3 uses %debug"):
+def test_a_training_cell_magic_is_refused_with_its_line_counted_below_the_magic(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"^Cell \[1\] line 2 uses %debug"):
         export("%%accel_train -n 2\nx = 1\n%debug", tmp=tmp_path)
-    with pytest.raises(ExportError, match=r"^Cell \[1\] line 2 uses %%bash, which has no plain-Python equivalent"):
+    with pytest.raises(ExportError, match=r"^Cell \[1\] line 2 uses %debug"):
+        export("\n%%accel_train -n 2\nx = 1\n%debug", tmp=tmp_path)
+    with pytest.raises(ExportError, match=r"^Cell \[1\] line 1 uses %%bash, which has no plain-Python equivalent"):
         export("%%accel_train -n 2\n%%bash\necho hi", tmp=tmp_path)
-    with pytest.raises(ExportError, match=r"^Cell \[1\] line 2 uses %%accel_train, which has no plain-Python"):
+    with pytest.raises(ExportError, match=r"^Cell \[1\] line 1 uses %%accel_train, which has no plain-Python"):
         export("%%accel_train -n 2\n%%accel_train\nx = 1", tmp=tmp_path)
+    with pytest.raises(ExportError, match=r"^Cell \[2\] line 3 uses %who_ls"):  # an earlier training cell
+        export("x = 1", "%%accel_train -n 2\ny = x\n\n%who_ls", "%%accel_train -n 2\nz = y", tmp=tmp_path)
+
+
+def test_a_training_cells_line_is_the_one_a_launch_names(tmp_path: Path) -> None:
+    cell = "%%accel_train -n 2\nimport os\n\n%debug"
+    with pytest.raises(ExportError, match=r"^Cell \[1\] line 3 uses %debug"):
+        export(cell, tmp=tmp_path)
+    body = compile_cell(cell.split("\n", 1)[1], transform)  # what the magic is given, compiled as a launch does
+    with pytest.raises(NameError) as raised:  # a rank has no get_ipython
+        exec(body.code, {})
+    assert "  Cell line 3, in <module>\n" in cell_traceback(raised.value, body.filename)
 
 
 def test_cells_that_are_not_taken_may_hold_any_magic(tmp_path: Path) -> None:
