@@ -16,7 +16,10 @@ from IPython.testing.globalipapp import start_ipython
 start_ipython()
 
 SETUP = "import torch"
-MODEL = "torch.manual_seed(0)\nmodel = torch.nn.Linear(3, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)"
+MODEL = (
+    "torch.manual_seed(0)\nmodel = torch.nn.Linear(3, 1)\n"
+    "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)"  # momentum: the optimizer has a state
+)
 SHOW = "print(model)"
 TRAIN = (
     "%%accel_train -n 1\n"
@@ -34,12 +37,58 @@ WITHOUT_ACCEL_MAGIC = (
 )
 
 
+# A later training cell that goes on from the first one's model, optimizer and `steps`.
+TRAIN_MORE = (
+    "%%accel_train -n 1\n"
+    "model, opt = accelerator.prepare(model, opt)\n"
+    "for step in range(steps):\n"
+    "    loss = (model(torch.ones(4, 3)) - 1).pow(2).sum()\n"
+    "    accelerator.backward(loss)\n"
+    "    opt.step()\n"
+    "    opt.zero_grad()\n"
+)
+
+
 def run(shell, source: str) -> None:
     result = shell.run_cell(source, store_history=True)
     if result.error_in_exec is not None:
         raise result.error_in_exec
     if result.error_before_exec is not None:
         raise result.error_before_exec
+
+
+def run_script(folder: Path, output: str) -> subprocess.CompletedProcess[str]:
+    """`python train.py --output-dir OUTPUT` in `folder`, one process, where accel_magic cannot be imported."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_ACCEL_MAGIC, str(folder / "train.py"), "--output-dir", output],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def same_state(saved, notebook) -> bool:
+    """Equal state dicts: tensors equal element by element, the rest (lr, momentum, step counts) equal."""
+    import torch
+
+    if isinstance(saved, torch.Tensor):
+        return isinstance(notebook, torch.Tensor) and torch.equal(saved, notebook)
+    if isinstance(saved, dict):
+        return (
+            isinstance(notebook, dict)
+            and saved.keys() == notebook.keys()
+            and all(same_state(saved[k], notebook[k]) for k in saved)
+        )
+    if isinstance(saved, (list, tuple)):
+        return (
+            isinstance(notebook, (list, tuple))
+            and len(saved) == len(notebook)
+            and all(same_state(a, b) for a, b in zip(saved, notebook, strict=True))
+        )
+    return saved == notebook
 
 
 def usage_error(shell, line: str) -> str:
@@ -68,15 +117,7 @@ def test_export_writes_a_script_that_python_runs_to_the_notebooks_weights(ip, tm
     after = {k: v for k, v in ip.user_ns.items() if not k.startswith("_")}
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)  # the notebook as it was
 
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(
-        [sys.executable, "-c", WITHOUT_ACCEL_MAGIC, str(tmp_path / "train.py"), "--output-dir", "out"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_script(tmp_path, "out")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "wrote out/model.pt" in done.stdout and "wrote out/opt.pt" in done.stdout
     import torch
@@ -84,7 +125,30 @@ def test_export_writes_a_script_that_python_runs_to_the_notebooks_weights(ip, tm
     saved = torch.load(tmp_path / "out" / "model.pt")
     notebook = ip.user_ns["model"].state_dict()
     assert saved.keys() == notebook.keys() and all(torch.equal(saved[k], notebook[k]) for k in saved)
-    assert torch.load(tmp_path / "out" / "opt.pt")["param_groups"][0]["lr"] == 0.1
+    saved_opt = torch.load(tmp_path / "out" / "opt.pt")
+    assert len(saved_opt["state"]) == 2 and saved_opt["param_groups"][0]["momentum"] == 0.9  # weight and bias
+    assert same_state(saved_opt, ip.user_ns["opt"].state_dict())  # momentum buffers after the same 3 steps
+
+
+def test_a_script_with_an_earlier_training_cell_runs_to_the_notebooks_weights(ip, tmp_path: Path, capsys) -> None:
+    first_training = TRAIN.replace("for step in range(3):", "steps = 2\nfor step in range(3):")
+    for source in (SETUP, MODEL, first_training, SHOW, TRAIN_MORE):
+        run(ip, source)
+    first = ip.execution_count - 5
+    capsys.readouterr()
+    run(ip, f"%accel_export {tmp_path}/train.py")
+    out = capsys.readouterr().out
+    assert f"  [{first + 2}] an earlier %%accel_train cell; defines model, opt, steps (used by [{first + 4}])" in out
+    assert f"  [{first + 4}] the %%accel_train cell" in out
+
+    done = run_script(tmp_path, "out")
+    assert done.returncode == 0, done.stderr[-3000:]
+    import torch
+
+    saved = torch.load(tmp_path / "out" / "model.pt")
+    notebook = ip.user_ns["model"].state_dict()
+    assert saved.keys() == notebook.keys() and all(torch.equal(saved[k], notebook[k]) for k in saved)
+    assert same_state(torch.load(tmp_path / "out" / "opt.pt"), ip.user_ns["opt"].state_dict())
 
 
 def test_the_port_and_the_plans_mixed_precision_reach_the_files(ip, tmp_path: Path) -> None:
