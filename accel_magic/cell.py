@@ -11,7 +11,15 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
-__all__ = ["CellError", "CellCode", "compile_cell", "top_level_names", "magics_called", "ipython_call"]
+__all__ = [
+    "CellError",
+    "CellCode",
+    "compile_cell",
+    "transform_lines_kept",
+    "top_level_names",
+    "magics_called",
+    "ipython_call",
+]
 
 _counter = itertools.count(1)
 
@@ -127,6 +135,19 @@ def _is_blank(source: str) -> bool:
     return all(not line.strip() or line.lstrip().startswith("#") for line in source.splitlines())
 
 
+def _leading_blank_lines(text: str) -> int:
+    lines = text.splitlines()
+    return next((i for i, line in enumerate(lines) if line.strip()), len(lines))
+
+
+def transform_lines_kept(raw: str, transform: Callable[[str], str]) -> str:
+    """IPython's transform of the cell, with the blank lines it drops at the top put back, so that line N of the
+    result is line N of the cell."""
+    source = transform(raw)
+    missing = _leading_blank_lines(raw) - _leading_blank_lines(source)
+    return "\n" * missing + source if missing > 0 else source
+
+
 def compile_cell(raw: str, transform: Callable[[str], str] = lambda s: s) -> CellCode:
     """Transform (magics, ! lines) and compile the cell body, with its source in linecache so tracebacks
     show the cell's lines. Raises CellError before anything runs."""
@@ -138,7 +159,7 @@ def compile_cell(raw: str, transform: Callable[[str], str] = lambda s: s) -> Cel
         raise CellError("The cell contains text that is not valid Unicode (a lone surrogate): retype it.") from None
     if _is_blank(raw):
         raise CellError("The cell is empty: put the training code below the %%accel_train line.")
-    source = transform(raw)
+    source = transform_lines_kept(raw, transform)
     filename = f"<accel_train cell {next(_counter)}>"
     try:
         tree = ast.parse(source, filename)

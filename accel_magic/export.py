@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cell import ipython_call, top_level_names
+from .cell import ipython_call, top_level_names, transform_lines_kept
 
 __all__ = [
     "DEFAULT_OUTPUT",
@@ -703,7 +703,7 @@ def _read_cells(history: Sequence[tuple[int, str]], transform: Callable[[str], s
     read = []
     for count, raw in history:
         body, first_line, training = _body(raw)
-        source = transform(body)
+        source = transform_lines_kept(body, transform)
         try:
             tree: ast.Module | None = ast.parse(source)
         except SyntaxError:

@@ -64,3 +64,16 @@ def test_compiled_cell_shows_its_lines_in_tracebacks() -> None:
     except ValueError as err:
         frames = traceback.extract_tb(err.__traceback__)
     assert frames[-1].filename == cell.filename and frames[-1].line == "raise ValueError('x')"
+
+
+def test_blank_lines_that_ipythons_transform_drops_at_the_top_still_count() -> None:
+    import traceback
+
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    cell = compile_cell("\n\na = 1\n!true\nraise ValueError('x')", TransformerManager().transform_cell)
+    try:
+        exec(cell.code, {"get_ipython": lambda: type("Shell", (), {"system": lambda self, cmd: None})()})
+    except ValueError as err:
+        frames = traceback.extract_tb(err.__traceback__)
+    assert frames[-1].lineno == 5 and frames[-1].line == "raise ValueError('x')"

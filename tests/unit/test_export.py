@@ -437,6 +437,8 @@ def test_a_training_cell_magic_is_refused_with_its_line_counted_below_the_magic(
         export("%%accel_train -n 2\n%%bash\necho hi", tmp=tmp_path)
     with pytest.raises(ExportError, match=r"^Cell \[1\] line 1 uses %%accel_train, which has no plain-Python"):
         export("%%accel_train -n 2\n%%accel_train\nx = 1", tmp=tmp_path)
+    with pytest.raises(ExportError, match=r"^Cell \[1\] line 4 uses %debug"):  # blank lines at the top count
+        export("%%accel_train -n 2\n\n\nx = 1\n%debug", tmp=tmp_path)
     with pytest.raises(ExportError, match=r"^Cell \[2\] line 3 uses %who_ls"):  # an earlier training cell
         export("x = 1", "%%accel_train -n 2\ny = x\n\n%who_ls", "%%accel_train -n 2\nz = y", tmp=tmp_path)
 
