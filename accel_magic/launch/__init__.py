@@ -71,9 +71,11 @@ def launch(
     leave the kernel's process group, so the kernel's interrupts reach only the kernel."""
     first = nodes.rank * nprocs
     outcome = LaunchOutcome(nprocs, first, nodes.count, nodes.endpoint(port or 0) if nodes.count > 1 else "")
+    if nodes.count > 1:
+        outcome.rdzv_timeout = nodes.wait
     started = time.perf_counter()
     if nodes.rank > 0 and not reach_node0(nodes, port or 0):
-        outcome.agent_error = f"node 0 did not answer within {nodes.timeout:g} s"
+        outcome.agent_error = f"node 0 did not answer within {nodes.wait} s"
         outcome.wall_time = time.perf_counter() - started
         return outcome
     known = {p.pid for p in guard.descendants(set())}

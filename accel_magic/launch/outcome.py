@@ -63,6 +63,8 @@ class LaunchOutcome:
     first_rank: int = 0  # this node's first global rank (0 on one node)
     num_nodes: int = 1
     endpoint: str = ""  # HOST:PORT of the rendezvous, for several nodes
+    rdzv_timeout: float = 0.0  # seconds the nodes waited for each other at the rendezvous, for several nodes
+    nodes_joined: int | None = None  # on node 0: the nodes (itself included) that joined before the rendezvous gave up
     remote_failure: str = ""  # what another node reported before this node's ranks were stopped
     wall_time: float = 0.0
     cleanup_time: float = 0.0  # part of wall_time spent putting the kernel back as it was
@@ -199,11 +201,14 @@ def launch_error(outcome: LaunchOutcome, timeout: float) -> LaunchError:
     failure started and holds nothing of the launch (so the rendezvous port is freed)."""
     if outcome.agent_error and outcome.num_nodes > 1:
         others = outcome.num_nodes - 1
+        waited = outcome.rdzv_timeout or timeout
+        why = outcome.agent_error
+        if outcome.nodes_joined is not None:
+            why = f"{outcome.nodes_joined} of the {outcome.num_nodes} nodes joined within {waited:g} s"
         return LaunchError(
             f"this node could not form one group with the other {others} node{'s' if others > 1 else ''} at "
-            f"{outcome.endpoint} ({outcome.agent_error}): start the cell on every node within {timeout:g} s "
-            "(--timeout), each with its own --node-rank and the same --nodes and --rdzv-endpoint; nothing was "
-            "trained.",
+            f"{outcome.endpoint} ({why}): start the cell on every node within {waited:g} s (--timeout), each "
+            "with its own --node-rank and the same --nodes and --rdzv-endpoint; nothing was trained.",
             outcome=outcome,
         )
     if outcome.agent_error:

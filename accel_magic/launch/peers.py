@@ -24,7 +24,7 @@ LINGER = 5.0  # seconds node 0 serves the store, at most, after its own launch e
 def reach_node0(nodes: Nodes, port: int) -> bool:
     """On a node other than 0: wait, quietly and for at most the rendezvous timeout, until node 0 listens (torch's
     own client would log each failed try into the cell)."""
-    deadline = time.monotonic() + nodes.timeout
+    deadline = time.monotonic() + nodes.wait
     while True:
         try:
             with socket.create_connection((nodes.host, port), timeout=min(2.0, nodes.timeout)):

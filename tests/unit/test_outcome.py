@@ -156,6 +156,17 @@ def test_across_machines_a_rendezvous_that_never_formed_says_how_to_start_the_no
     )
 
 
+def test_across_machines_node_0_says_how_many_nodes_joined_within_the_rendezvous_timeout_in_one_sentence() -> None:
+    outcome = LaunchOutcome(1, num_nodes=3, endpoint="10.0.0.5:29500", rdzv_timeout=5, nodes_joined=2)
+    outcome.agent_error = "DistStoreError: Timed out after 6 seconds waiting for clients. 2/3 clients joined."
+    headline = launch_error(outcome, 900).headline
+    assert headline == (
+        "this node could not form one group with the other 2 nodes at 10.0.0.5:29500 (2 of the 3 nodes joined "
+        "within 5 s): start the cell on every node within 5 s (--timeout), each with its own --node-rank and the "
+        "same --nodes and --rdzv-endpoint; nothing was trained."
+    )
+
+
 def interrupted(rank: int, *cell_lines: int, first_rank: int = 0, num_processes: int = 2) -> LaunchOutcome:
     """An interrupted outcome whose `rank` recorded a KeyboardInterrupt at these cell lines, outermost first."""
     frames = "".join(f"  Cell line {n}, in <module>\n    step()\n" for n in cell_lines)
