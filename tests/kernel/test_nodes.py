@@ -85,6 +85,7 @@ for _ in range(5):
     opt.step()
     opt.zero_grad()
 print(f"rank {accelerator.process_index} of {accelerator.num_processes}, local {accelerator.local_process_index}")
+whose = accelerator.process_index  # each kernel gets this back from its own node's first rank
 """
     options = f"-n 2 --nodes 2 --node-rank {{R}} --rdzv-endpoint 127.0.0.1:{port}"
     results = train_on(two_kernels, options, body, node0_after=3)  # node 1 waits for node 0, quietly
@@ -103,9 +104,9 @@ print(f"rank {accelerator.process_index} of {accelerator.num_processes}, local {
         "torch.manual_seed(0); print(type(model).__name__, torch.nn.Linear(8, 2).weight.tolist())"
     )
     assert untrained.split(" [[")[1] not in weights[0]  # the weights did change
-    for kernel in two_kernels:
+    for kernel, first in zip(two_kernels, (0, 2), strict=True):  # node 0's kernel: rank 0's; node 1's: rank 2's
         assert no_children(kernel) == "[]"
-        assert kernel.text("print(accel_result.ok, accel_result.first_rank)").strip() in ("True 0", "True 2")
+        assert kernel.text("print(accel_result.ok, accel_result.first_rank, whose)").strip() == f"True {first} {first}"
 
 
 def test_a_raise_on_node_1_ends_both_cells_within_seconds_and_node_1_names_the_rank_and_line(two_kernels) -> None:
@@ -183,16 +184,19 @@ def test_the_rendezvous_listens_on_the_endpoints_address_only(live_kernel) -> No
     assert not any(a.port == port and a.ip != "127.0.0.1" for a in addresses), addresses
 
 
+WHERE = """\
+from accel_magic import notebook_launcher
+def where():
+    from accelerate import Accelerator
+    a = Accelerator()
+    return a.process_index, a.num_processes, a.local_process_index
+"""
+
+
 def test_the_drop_in_launcher_across_two_kernels_gives_each_its_first_ranks_value(two_kernels) -> None:
     port = free_port()
     for kernel in two_kernels:
-        kernel.text(
-            "from accel_magic import notebook_launcher\n"
-            "def where():\n"
-            "    from accelerate import Accelerator\n"
-            "    a = Accelerator()\n"
-            "    return a.process_index, a.num_processes, a.local_process_index"
-        )
+        kernel.text(WHERE)
     ids = [
         k.kc.execute(
             f"print(notebook_launcher(where, num_processes=2, num_nodes=2, node_rank={r}, "
@@ -203,3 +207,23 @@ def test_the_drop_in_launcher_across_two_kernels_gives_each_its_first_ranks_valu
     texts = ["".join(o.get("text", "") for o in k.collect(i, 120)[1]) for k, i in zip(two_kernels, ids, strict=True)]
     assert texts[0].strip().endswith("(0, 4, 0)"), texts[0]
     assert texts[1].strip().endswith("(2, 4, 0)"), texts[1]
+
+
+def test_the_drop_in_launcher_meets_at_the_rdzv_endpoint_under_the_rdzv_id_given(two_kernels) -> None:
+    port = free_port()
+    for kernel in two_kernels:
+        kernel.text(WHERE)
+    ids = [  # master_addr and use_port left as accelerate's defaults: the endpoint alone says where to meet
+        k.kc.execute(
+            f"print(notebook_launcher(where, num_processes=2, num_nodes=2, node_rank={r}, "
+            f"rdzv_endpoint='127.0.0.1:{port}', rdzv_id='digits-run', rdzv_conf={{'timeout': 60, 'rank': {r}}}))"
+        )
+        for r, k in reversed(list(enumerate(two_kernels)))  # node 1 first: it waits for node 0
+    ][::-1]
+    texts = ["".join(o.get("text", "") for o in k.collect(i, 120)[1]) for k, i in zip(two_kernels, ids, strict=True)]
+    for r, text in enumerate(texts):
+        assert f"node {r} of 2 (ranks {2 * r}-{2 * r + 1} of 4, rendezvous at 127.0.0.1:{port})" in text, text
+    assert texts[0].strip().endswith("(0, 4, 0)"), texts[0]  # node 0's kernel: rank 0's value
+    assert texts[1].strip().endswith("(2, 4, 0)"), texts[1]  # node 1's kernel: rank 2's value
+    for kernel in two_kernels:
+        assert no_children(kernel) == "[]"
