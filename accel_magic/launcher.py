@@ -150,6 +150,7 @@ def notebook_launcher(
 
     from .accelerator import state_set_aside
     from .jobs import refuse_while_running
+    from .launch import NodeOptions
     from .plan import PlanError, Request, make_plan
     from .results import receive_payload
     from .runtime import probe
@@ -184,6 +185,12 @@ def notebook_launcher(
         monitor_interval=float(monitor_interval),
         port_option="use_port",
         endpoint_option="master_addr and use_port (or rdzv_endpoint)",
+        node_options=NodeOptions(
+            "call notebook_launcher",
+            "rdzv_conf's 'timeout'",
+            "node_rank",
+            "num_nodes, rdzv_id and rdzv_endpoint (or master_addr and use_port)",
+        ),
         nodes=plan_nodes(plan, "" if rdzv_id == "none" else str(rdzv_id), (rdzv_conf or {}).get("timeout")),
     )
     if outcome.received is None:

@@ -17,6 +17,7 @@ __all__ = [
     "LaunchOutcome",
     "LaunchError",
     "LaunchInterrupted",
+    "NodeOptions",
     "collect",
     "launch_error",
     "launch_interrupted",
@@ -196,7 +197,18 @@ def collect(outcome: LaunchOutcome, records: Mapping[int, RankRecords]) -> None:
             outcome.failures.append(replace(abrupt(r, code), when=when))
 
 
-def launch_error(outcome: LaunchOutcome, timeout: float) -> LaunchError:
+@dataclass(frozen=True)
+class NodeOptions:
+    """How the user gives a launch across machines its settings: named in the sentence that says what to change
+    when the nodes did not meet. The defaults are %%accel_train's."""
+
+    start: str = "start the cell"
+    timeout: str = "--timeout"
+    node_rank: str = "--node-rank"
+    same: str = "--nodes and --rdzv-endpoint"
+
+
+def launch_error(outcome: LaunchOutcome, timeout: float, options: NodeOptions = NodeOptions()) -> LaunchError:
     """One exception for a failed launch, built outside any `except` block: it names the rank where the
     failure started and holds nothing of the launch (so the rendezvous port is freed)."""
     if outcome.agent_error and outcome.num_nodes > 1:
@@ -207,8 +219,9 @@ def launch_error(outcome: LaunchOutcome, timeout: float) -> LaunchError:
             why = f"{outcome.nodes_joined} of the {outcome.num_nodes} nodes joined within {waited:g} s"
         return LaunchError(
             f"this node could not form one group with the other {others} node{'s' if others > 1 else ''} at "
-            f"{outcome.endpoint} ({why}): start the cell on every node within {waited:g} s (--timeout), each "
-            "with its own --node-rank and the same --nodes and --rdzv-endpoint; nothing was trained.",
+            f"{outcome.endpoint} ({why}): {options.start} on every node within {waited:g} s "
+            f"({options.timeout}), each with its own {options.node_rank} and the same {options.same}; nothing was "
+            "trained.",
             outcome=outcome,
         )
     if outcome.agent_error:

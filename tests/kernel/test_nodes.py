@@ -21,6 +21,14 @@ model = torch.nn.Linear(8, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 """
 
+WHERE = """\
+from accel_magic import notebook_launcher
+def where():
+    from accelerate import Accelerator
+    a = Accelerator()
+    return a.process_index, a.num_processes, a.local_process_index
+"""
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -168,6 +176,23 @@ def test_a_node_whose_node_0_never_answers_says_so_in_one_sentence_without_torch
     assert no_children(live_kernel) == "[]"
 
 
+def test_a_drop_in_call_whose_node_0_never_answers_names_the_drop_ins_arguments(live_kernel) -> None:
+    live_kernel.text(WHERE)
+    port = free_port()
+    reply, outputs = live_kernel.execute(
+        f"notebook_launcher(where, num_processes=1, num_nodes=2, node_rank=1, rdzv_endpoint='127.0.0.1:{port}', "
+        "rdzv_conf={'timeout': 3})"
+    )
+    assert reply["status"] == "error" and reply["ename"] == "LaunchError", outputs
+    assert reply["evalue"] == (
+        f"this node could not form one group with the other 1 node at 127.0.0.1:{port} (node 0 did not answer "
+        "within 3 s): call notebook_launcher on every node within 3 s (rdzv_conf's 'timeout'), each with its own "
+        "node_rank and the same num_nodes, rdzv_id and rdzv_endpoint (or master_addr and use_port); nothing was "
+        "trained."
+    )
+    assert no_children(live_kernel) == "[]"
+
+
 def test_the_rendezvous_listens_on_the_endpoints_address_only(live_kernel) -> None:
     live_kernel.text(SETUP)
     port = free_port()
@@ -182,15 +207,6 @@ def test_the_rendezvous_listens_on_the_endpoints_address_only(live_kernel) -> No
     live_kernel.collect(msg_id, 60)
     assert ("127.0.0.1", port) in addresses, addresses
     assert not any(a.port == port and a.ip != "127.0.0.1" for a in addresses), addresses
-
-
-WHERE = """\
-from accel_magic import notebook_launcher
-def where():
-    from accelerate import Accelerator
-    a = Accelerator()
-    return a.process_index, a.num_processes, a.local_process_index
-"""
 
 
 def test_the_drop_in_launcher_across_two_kernels_gives_each_its_first_ranks_value(two_kernels) -> None:

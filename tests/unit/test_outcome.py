@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from accel_magic.launch.outcome import (
     LaunchOutcome,
+    NodeOptions,
     RankFailure,
     RankRecords,
     collect,
@@ -164,6 +165,17 @@ def test_across_machines_node_0_says_how_many_nodes_joined_within_the_rendezvous
         "this node could not form one group with the other 2 nodes at 10.0.0.5:29500 (2 of the 3 nodes joined "
         "within 5 s): start the cell on every node within 5 s (--timeout), each with its own --node-rank and the "
         "same --nodes and --rdzv-endpoint; nothing was trained."
+    )
+
+
+def test_across_machines_the_drop_in_names_its_own_arguments_when_the_nodes_did_not_meet() -> None:
+    outcome = LaunchOutcome(1, num_nodes=2, endpoint="10.0.0.5:29500", rdzv_timeout=30)
+    outcome.agent_error = "node 0 did not answer within 30 s"
+    options = NodeOptions("call notebook_launcher", "rdzv_conf's 'timeout'", "node_rank", "num_nodes and rdzv_id")
+    assert launch_error(outcome, 900, options).headline == (
+        "this node could not form one group with the other 1 node at 10.0.0.5:29500 (node 0 did not answer within "
+        "30 s): call notebook_launcher on every node within 30 s (rdzv_conf's 'timeout'), each with its own "
+        "node_rank and the same num_nodes and rdzv_id; nothing was trained."
     )
 
 
