@@ -22,7 +22,7 @@ class _DefaultPort(str):
 
 
 DEFAULT_PORT = _DefaultPort("29500")
-RDZV_BACKENDS = ("static", "c10d")  # either way node 0 hosts the rendezvous and ranks follow node_rank
+RDZV_BACKENDS = ("static", "c10d")  # either way torch's static TCP rendezvous on node 0's store, ranks by node_rank
 
 
 class FunctionBody:
@@ -73,6 +73,12 @@ def _nodes(num_nodes: Any, node_rank: Any, master_addr: str, use_port: str, rdzv
         raise LauncherError(
             f"rdzv_conf takes only 'timeout' (seconds the nodes wait for each other) here, not {', '.join(unknown)}: "
             "leave the others out."
+        )
+    rank = (rdzv_conf or {}).get("rank", node_rank)
+    if rank != node_rank:  # accelerate sets it to node_rank for the static rendezvous; c10d's does not read it
+        raise LauncherError(
+            f"rdzv_conf={{'rank': {rank!r}}} is not read (accelerate numbers the nodes by node_rank, here "
+            f"{node_rank!r}): give this node's rank as node_rank and leave 'rank' out of rdzv_conf."
         )
     if num_nodes == 1:
         for name, value, default in (("node_rank", node_rank, 0), ("master_addr", master_addr, "127.0.0.1"),
@@ -136,13 +142,15 @@ def notebook_launcher(
     process on CPU and one per GPU; one process runs the function in the kernel itself. A port is chosen free
     for each launch unless `use_port` is given. Across machines (`num_nodes` > 1) every node calls it with its
     own `node_rank`; node 0 hosts the rendezvous at `rdzv_endpoint`, else at `master_addr:use_port`, and each
-    node gets its first rank's return value. Restarts and log line prefixes are refused with a sentence saying
-    so.
+    node gets its first rank's return value; `rdzv_backend` "static" or "c10d" both run torch's static TCP
+    rendezvous on node 0's store. Restarts, log line prefixes and an rdzv_conf "rank" other than node_rank are
+    refused with a sentence saying so.
     """
     from IPython import get_ipython
 
     from .accelerator import state_set_aside
     from .jobs import refuse_while_running
+    from .launch import NodeOptions
     from .plan import PlanError, Request, make_plan
     from .results import receive_payload
     from .runtime import probe
@@ -177,6 +185,12 @@ def notebook_launcher(
         monitor_interval=float(monitor_interval),
         port_option="use_port",
         endpoint_option="master_addr and use_port (or rdzv_endpoint)",
+        node_options=NodeOptions(
+            "call notebook_launcher",
+            "rdzv_conf's 'timeout'",
+            "node_rank",
+            "num_nodes, rdzv_id and rdzv_endpoint (or master_addr and use_port)",
+        ),
         nodes=plan_nodes(plan, "" if rdzv_id == "none" else str(rdzv_id), (rdzv_conf or {}).get("timeout")),
     )
     if outcome.received is None:

@@ -12,7 +12,7 @@ from .cell import CellCode
 from .plan import Plan
 
 if TYPE_CHECKING:
-    from .launch import LaunchOutcome, Nodes, RankBody
+    from .launch import LaunchOutcome, NodeOptions, Nodes, RankBody
 
 __all__ = ["OneSentence", "TrainError", "CellBody", "run_in_kernel", "plan_nodes", "check_launch", "launch_ranks",
            "launch_failure", "launch_plan", "bring_back", "run_ranks"]  # fmt: skip
@@ -145,14 +145,16 @@ def launch_ranks(body: RankBody, plan: Plan, nodes: Nodes, *, cell_filename: str
     )
 
 
-def launch_failure(outcome: LaunchOutcome, plan: Plan, source: str = "") -> Exception | KeyboardInterrupt | None:
-    """The one exception that says how a launch went wrong (LaunchInterrupted is a KeyboardInterrupt), or None."""
-    from .launch import LaunchError, launch_error, launch_interrupted
+def launch_failure(outcome: LaunchOutcome, plan: Plan, source: str = "",
+                   node_options: NodeOptions | None = None) -> Exception | KeyboardInterrupt | None:  # fmt: skip
+    """The one exception that says how a launch went wrong (LaunchInterrupted is a KeyboardInterrupt), or None.
+    `node_options` names the settings of a launch across machines as the user gave them (None: %%accel_train's)."""
+    from .launch import LaunchError, NodeOptions, launch_error, launch_interrupted
 
     if outcome.interrupted:
         return launch_interrupted(outcome, source)
     if not outcome.ok:
-        return launch_error(outcome, plan.timeout)
+        return launch_error(outcome, plan.timeout, node_options or NodeOptions())
     if outcome.receive_error:
         return LaunchError(
             f"rank 0's results could not be read back ({outcome.receive_error}); nothing in the notebook changed.",
@@ -164,7 +166,8 @@ def launch_failure(outcome: LaunchOutcome, plan: Plan, source: str = "") -> Exce
 def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | None, max_bytes: int,
                 receive: Callable[[bytes, str], Any] | None, monitor_interval: float = 0.05,
                 port_option: str = "--port", endpoint_option: str = "--rdzv-endpoint",
-                nodes: Nodes | None = None, source: str = "") -> LaunchOutcome:  # fmt: skip
+                nodes: Nodes | None = None, source: str = "",
+                node_options: NodeOptions | None = None) -> LaunchOutcome:  # fmt: skip
     """Launch `body` as the plan's ranks, with the launch banner first. Raises TrainError before anything
     starts, LaunchError when the launch failed, LaunchInterrupted (a KeyboardInterrupt) when it was interrupted;
     both carry the outcome. `source` is the file of a launched function that is not a notebook cell, which the
@@ -187,7 +190,7 @@ def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | N
         on_message=publish_kernel_message,
         monitor_interval=monitor_interval,
     )
-    failure = launch_failure(outcome, plan, source)
+    failure = launch_failure(outcome, plan, source, node_options)
     if failure is not None:
         raise failure
     return outcome

@@ -18,6 +18,7 @@ from .outcome import (
     LaunchError,
     LaunchInterrupted,
     LaunchOutcome,
+    NodeOptions,
     RankFailure,
     collect,
     launch_error,
@@ -34,6 +35,7 @@ __all__ = [
     "LaunchError",
     "LaunchInterrupted",
     "LaunchOutcome",
+    "NodeOptions",
     "RankFailure",
     "RankBody",
     "launch_error",
@@ -71,9 +73,11 @@ def launch(
     leave the kernel's process group, so the kernel's interrupts reach only the kernel."""
     first = nodes.rank * nprocs
     outcome = LaunchOutcome(nprocs, first, nodes.count, nodes.endpoint(port or 0) if nodes.count > 1 else "")
+    if nodes.count > 1:
+        outcome.rdzv_timeout = nodes.wait
     started = time.perf_counter()
     if nodes.rank > 0 and not reach_node0(nodes, port or 0):
-        outcome.agent_error = f"node 0 did not answer within {nodes.timeout:g} s"
+        outcome.agent_error = f"node 0 did not answer within {nodes.wait} s"
         outcome.wall_time = time.perf_counter() - started
         return outcome
     known = {p.pid for p in guard.descendants(set())}

@@ -13,12 +13,16 @@ Private APIs of torch, used here only:
   takes no socket, the static rendezvous binds the port itself (it then also listens on `::`).
 - `LaunchConfig.numa_options` and `torch.numa.binding` (torch 2.9 and later): given explicitly so that
   `LaunchConfig` does not ask CUDA in the kernel, then cleared. Fallback: absent fields are not passed.
+- The text of the store's timeout on node 0 ("... 1/2 clients joined."): read for how many nodes joined.
+  Fallback: where it says no count, the error is shown as torch wrote it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import queue
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -30,6 +34,7 @@ __all__ = ["BOUND_BACKEND", "Nodes", "bound_rendezvous", "release_socket", "serv
            "AgentThread", "agent_thread", "shutdown_agent_thread"]  # fmt: skip
 
 BOUND_BACKEND = "accel_magic_bound"
+_JOINED = re.compile(r"(\d+)/(\d+) clients joined")  # node 0's store, when not every node joined in time
 _stores: dict[int, Any] = {}  # listening fd -> the TCP store that took it over (and closes it), kept to the end
 
 
@@ -43,6 +48,11 @@ class Nodes:
     host: str = "127.0.0.1"
     run_id: str = ""  # the same on every node; chosen from the endpoint when empty
     timeout: float = 60.0  # seconds the nodes wait for each other at the rendezvous
+
+    @property
+    def wait(self) -> int:
+        """The rendezvous timeout in whole seconds (torch's store counts whole seconds), never below `timeout`."""
+        return max(1, math.ceil(self.timeout))
 
     def endpoint(self, port: int) -> str:
         return f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
@@ -107,7 +117,7 @@ def launch_config(nprocs: int, port: int, log_dir: str, monitor: float, listen_f
     from torch.distributed.launcher.api import LaunchConfig
 
     names = {f.name for f in fields(LaunchConfig)}
-    rdzv_configs: dict[str, Any] = {"rank": nodes.rank, "timeout": max(1, round(nodes.timeout))}
+    rdzv_configs: dict[str, Any] = {"rank": nodes.rank, "timeout": nodes.wait}
     if listen_fd is not None:
         rdzv_configs["listen_fd"] = listen_fd
     run_id = nodes.run_id or (f"accel_magic_{os.getpid()}_{port}" if nodes.count == 1 else f"accel_magic_{port}")
@@ -154,6 +164,9 @@ def run_agent(config: Any, entry: Callable[[], None], outcome: LaunchOutcome) ->
         outcome.exitcodes = codes
     except BaseException as err:  # anything else is reported as text: no exception object survives the launch
         outcome.agent_error = f"{type(err).__name__}: {err}"
+        joined = _JOINED.search(str(err)) if outcome.num_nodes > 1 else None
+        if joined:
+            outcome.nodes_joined = int(joined[1])
 
 
 class AgentThread:

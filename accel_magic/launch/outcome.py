@@ -17,6 +17,7 @@ __all__ = [
     "LaunchOutcome",
     "LaunchError",
     "LaunchInterrupted",
+    "NodeOptions",
     "collect",
     "launch_error",
     "launch_interrupted",
@@ -63,6 +64,8 @@ class LaunchOutcome:
     first_rank: int = 0  # this node's first global rank (0 on one node)
     num_nodes: int = 1
     endpoint: str = ""  # HOST:PORT of the rendezvous, for several nodes
+    rdzv_timeout: float = 0.0  # seconds the nodes waited for each other at the rendezvous, for several nodes
+    nodes_joined: int | None = None  # on node 0: the nodes (itself included) that joined before the rendezvous gave up
     remote_failure: str = ""  # what another node reported before this node's ranks were stopped
     wall_time: float = 0.0
     cleanup_time: float = 0.0  # part of wall_time spent putting the kernel back as it was
@@ -194,15 +197,30 @@ def collect(outcome: LaunchOutcome, records: Mapping[int, RankRecords]) -> None:
             outcome.failures.append(replace(abrupt(r, code), when=when))
 
 
-def launch_error(outcome: LaunchOutcome, timeout: float) -> LaunchError:
+@dataclass(frozen=True)
+class NodeOptions:
+    """How the user gives a launch across machines its settings: named in the sentence that says what to change
+    when the nodes did not meet. The defaults are %%accel_train's."""
+
+    start: str = "start the cell"
+    timeout: str = "--timeout"
+    node_rank: str = "--node-rank"
+    same: str = "--nodes and --rdzv-endpoint"
+
+
+def launch_error(outcome: LaunchOutcome, timeout: float, options: NodeOptions = NodeOptions()) -> LaunchError:
     """One exception for a failed launch, built outside any `except` block: it names the rank where the
     failure started and holds nothing of the launch (so the rendezvous port is freed)."""
     if outcome.agent_error and outcome.num_nodes > 1:
         others = outcome.num_nodes - 1
+        waited = outcome.rdzv_timeout or timeout
+        why = outcome.agent_error
+        if outcome.nodes_joined is not None:
+            why = f"{outcome.nodes_joined} of the {outcome.num_nodes} nodes joined within {waited:g} s"
         return LaunchError(
             f"this node could not form one group with the other {others} node{'s' if others > 1 else ''} at "
-            f"{outcome.endpoint} ({outcome.agent_error}): start the cell on every node within {timeout:g} s "
-            "(--timeout), each with its own --node-rank and the same --nodes and --rdzv-endpoint; nothing was "
+            f"{outcome.endpoint} ({why}): {options.start} on every node within {waited:g} s "
+            f"({options.timeout}), each with its own {options.node_rank} and the same {options.same}; nothing was "
             "trained.",
             outcome=outcome,
         )

@@ -1,6 +1,6 @@
 """What the nodes of a launch across machines tell each other, through node 0's rendezvous store: the first
-failure (or interrupt) on any node, so every node stops its ranks within a second, even ranks that are not in a
-collective. On one node there is nothing to tell.
+failure (or interrupt) on any node, so every node stops its ranks within a POLL of the report, even ranks that
+are not in a collective. On one node there is nothing to tell.
 
 Every call here is made once the rendezvous is done and while node 0 serves the store (node 0 waits for the
 others to finish with it): a store call that fails makes torch log a long C++ warning into the cell."""
@@ -24,7 +24,7 @@ LINGER = 5.0  # seconds node 0 serves the store, at most, after its own launch e
 def reach_node0(nodes: Nodes, port: int) -> bool:
     """On a node other than 0: wait, quietly and for at most the rendezvous timeout, until node 0 listens (torch's
     own client would log each failed try into the cell)."""
-    deadline = time.monotonic() + nodes.timeout
+    deadline = time.monotonic() + nodes.wait
     while True:
         try:
             with socket.create_connection((nodes.host, port), timeout=min(2.0, nodes.timeout)):

@@ -83,6 +83,11 @@ def test_the_drop_in_names_the_failing_rank_and_the_next_launch_works(kernel_run
         ("num_nodes=2, node_rank=2", r"node_rank must be below num_nodes \(2\): give each node a rank from 0 to 1\."),
         ("num_nodes=2, rdzv_backend='etcd'", r"rdzv_backend must be 'static' or 'c10d', not 'etcd'"),
         ("num_nodes=2, rdzv_conf={'join_timeout': 5}", r"rdzv_conf takes only 'timeout' .* not join_timeout"),
+        (
+            "num_nodes=2, node_rank=1, rdzv_conf={'rank': 0}",
+            r"^rdzv_conf=\{'rank': 0\} is not read \(accelerate numbers the nodes by node_rank, here 1\): give this "
+            r"node's rank as node_rank and leave 'rank' out of rdzv_conf\.$",
+        ),
         ("max_restarts=3", r"accel_magic does not restart failed ranks"),
         ("log_line_prefix_template='${rank}: '", r"log_line_prefix_template is not supported"),
         ("num_processes=0", r"num_processes must be a whole number of at least 1, not 0\."),

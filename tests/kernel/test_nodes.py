@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psutil
@@ -18,6 +19,14 @@ import torch
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
+"""
+
+WHERE = """\
+from accel_magic import notebook_launcher
+def where():
+    from accelerate import Accelerator
+    a = Accelerator()
+    return a.process_index, a.num_processes, a.local_process_index
 """
 
 
@@ -39,22 +48,25 @@ def two_kernels(live_kernels):
 def train_on(kernels: list[Any], options: str, body: str, timeout: float = 120,
              node0_after: float = 0.0) -> list[tuple[dict, str, float]]:  # fmt: skip
     """Start the same cell on every kernel, node rank = its index, node 0 last (`node0_after` seconds after the
-    others); each kernel's reply, text, and seconds from the first start."""
+    others); each kernel's reply, text, and seconds from the first start to that cell's own end (each kernel is
+    read in a thread of its own, so one cell's end is not seen late while another is still running)."""
     cell = "%%accel_train " + options + "\n" + body
     started = time.monotonic()
     ids = {r: k.kc.execute(cell.replace("{R}", str(r))) for r, k in reversed(list(enumerate(kernels))) if r}
     time.sleep(node0_after)
     ids[0] = kernels[0].kc.execute(cell.replace("{R}", "0"))
-    ended = []
-    for r, kernel in enumerate(kernels):
-        reply, outputs = kernel.collect(ids[r], timeout)
+
+    def ended(r: int) -> tuple[dict, str, float]:
+        reply, outputs = kernels[r].collect(ids[r], timeout)
+        took = time.monotonic() - started
         text = "".join(
             o.get("text", "") or o.get("data", {}).get("text/plain", "") or "\n".join(o.get("traceback", []))
             for o in outputs
         )
-        text = re.sub(r"\x1b\[[0-9;]*m", "", text)
-        ended.append((reply, text, time.monotonic() - started))
-    return ended
+        return reply, re.sub(r"\x1b\[[0-9;]*m", "", text), took
+
+    with ThreadPoolExecutor(len(kernels)) as pool:
+        return list(pool.map(ended, range(len(kernels))))
 
 
 def no_children(kernel: Any) -> str:
@@ -81,6 +93,7 @@ for _ in range(5):
     opt.step()
     opt.zero_grad()
 print(f"rank {accelerator.process_index} of {accelerator.num_processes}, local {accelerator.local_process_index}")
+whose = accelerator.process_index  # each kernel gets this back from its own node's first rank
 """
     options = f"-n 2 --nodes 2 --node-rank {{R}} --rdzv-endpoint 127.0.0.1:{port}"
     results = train_on(two_kernels, options, body, node0_after=3)  # node 1 waits for node 0, quietly
@@ -99,9 +112,9 @@ print(f"rank {accelerator.process_index} of {accelerator.num_processes}, local {
         "torch.manual_seed(0); print(type(model).__name__, torch.nn.Linear(8, 2).weight.tolist())"
     )
     assert untrained.split(" [[")[1] not in weights[0]  # the weights did change
-    for kernel in two_kernels:
+    for kernel, first in zip(two_kernels, (0, 2), strict=True):  # node 0's kernel: rank 0's; node 1's: rank 2's
         assert no_children(kernel) == "[]"
-        assert kernel.text("print(accel_result.ok, accel_result.first_rank)").strip() in ("True 0", "True 2")
+        assert kernel.text("print(accel_result.ok, accel_result.first_rank, whose)").strip() == f"True {first} {first}"
 
 
 def test_a_raise_on_node_1_ends_both_cells_within_seconds_and_node_1_names_the_rank_and_line(two_kernels) -> None:
@@ -121,10 +134,13 @@ accelerator.wait_for_everyone()
     assert "rank 1 raised ValueError: bad batch on node 1" in node1 and "Cell line 5" in node1
     assert "the launch failed on another node (rank 1: ValueError: bad batch on node 1)" in node0, node0
     assert "that node's cell names the rank and the line" in node0
+    assert abs(took0 - took1) < 5, (took0, took1)  # node 0's cell ends soon after node 1's, not after its sleep
     assert max(took0, took1) < 60, (took0, took1)  # not the 120 s sleep, nor the 900 s collective timeout
     for kernel in two_kernels:
         assert no_children(kernel) == "[]"
-        assert kernel.text("print(accel_result.ok)").strip() != "True"
+        assert kernel.text("print(accel_result.ok)").strip() == "False"
+    with socket.socket() as s:  # node 0's rendezvous store is gone
+        s.bind(("127.0.0.1", port))
 
 
 def test_a_node_that_never_arrives_ends_the_cell_after_the_rendezvous_timeout_in_one_sentence(live_kernel) -> None:
@@ -135,10 +151,15 @@ def test_a_node_that_never_arrives_ends_the_cell_after_the_rendezvous_timeout_in
         [live_kernel], f"-n 1 --nodes 2 --node-rank 0 --rdzv-endpoint 127.0.0.1:{port} --timeout 5", "print('never')"
     )[0]
     took = time.monotonic() - started
-    assert reply["status"] == "error"
-    assert "this node could not form one group with the other 1 node at 127.0.0.1:" in text, text
-    assert "start the cell on every node within 5 s" in text and "never" not in text and "c10d" not in text
-    assert 4 < took < 60, took
+    assert reply["status"] == "error" and reply["ename"] == "LaunchError"
+    error = text.split("LaunchError: ", 1)[1].strip()
+    assert error == (
+        f"this node could not form one group with the other 1 node at 127.0.0.1:{port} (1 of the 2 nodes joined "
+        "within 5 s): start the cell on every node within 5 s (--timeout), each with its own --node-rank and the "
+        "same --nodes and --rdzv-endpoint; nothing was trained."
+    )
+    assert "never" not in text and "c10d" not in text and "Timed out" not in text and "clients" not in text
+    assert 5 <= took < 5 + 20, took  # the rendezvous timeout, and a loaded 2-core machine's slack
     assert no_children(live_kernel) == "[]"
     with socket.socket() as s:  # the rendezvous port is free again
         s.bind(("127.0.0.1", port))
@@ -152,6 +173,23 @@ def test_a_node_whose_node_0_never_answers_says_so_in_one_sentence_without_torch
     text = "".join(o.get("text", "") or o.get("evalue", "") for o in outputs)
     assert "could not form one group with the other 1 node at 127.0.0.1:" in text, text
     assert "(node 0 did not answer within 3 s)" in text and "c10d" not in text and "never" not in text
+    assert no_children(live_kernel) == "[]"
+
+
+def test_a_drop_in_call_whose_node_0_never_answers_names_the_drop_ins_arguments(live_kernel) -> None:
+    live_kernel.text(WHERE)
+    port = free_port()
+    reply, outputs = live_kernel.execute(
+        f"notebook_launcher(where, num_processes=1, num_nodes=2, node_rank=1, rdzv_endpoint='127.0.0.1:{port}', "
+        "rdzv_conf={'timeout': 3})"
+    )
+    assert reply["status"] == "error" and reply["ename"] == "LaunchError", outputs
+    assert reply["evalue"] == (
+        f"this node could not form one group with the other 1 node at 127.0.0.1:{port} (node 0 did not answer "
+        "within 3 s): call notebook_launcher on every node within 3 s (rdzv_conf's 'timeout'), each with its own "
+        "node_rank and the same num_nodes, rdzv_id and rdzv_endpoint (or master_addr and use_port); nothing was "
+        "trained."
+    )
     assert no_children(live_kernel) == "[]"
 
 
@@ -174,13 +212,7 @@ def test_the_rendezvous_listens_on_the_endpoints_address_only(live_kernel) -> No
 def test_the_drop_in_launcher_across_two_kernels_gives_each_its_first_ranks_value(two_kernels) -> None:
     port = free_port()
     for kernel in two_kernels:
-        kernel.text(
-            "from accel_magic import notebook_launcher\n"
-            "def where():\n"
-            "    from accelerate import Accelerator\n"
-            "    a = Accelerator()\n"
-            "    return a.process_index, a.num_processes, a.local_process_index"
-        )
+        kernel.text(WHERE)
     ids = [
         k.kc.execute(
             f"print(notebook_launcher(where, num_processes=2, num_nodes=2, node_rank={r}, "
@@ -191,3 +223,23 @@ def test_the_drop_in_launcher_across_two_kernels_gives_each_its_first_ranks_valu
     texts = ["".join(o.get("text", "") for o in k.collect(i, 120)[1]) for k, i in zip(two_kernels, ids, strict=True)]
     assert texts[0].strip().endswith("(0, 4, 0)"), texts[0]
     assert texts[1].strip().endswith("(2, 4, 0)"), texts[1]
+
+
+def test_the_drop_in_launcher_meets_at_the_rdzv_endpoint_under_the_rdzv_id_given(two_kernels) -> None:
+    port = free_port()
+    for kernel in two_kernels:
+        kernel.text(WHERE)
+    ids = [  # master_addr and use_port left as accelerate's defaults: the endpoint alone says where to meet
+        k.kc.execute(
+            f"print(notebook_launcher(where, num_processes=2, num_nodes=2, node_rank={r}, "
+            f"rdzv_endpoint='127.0.0.1:{port}', rdzv_id='digits-run', rdzv_conf={{'timeout': 60, 'rank': {r}}}))"
+        )
+        for r, k in reversed(list(enumerate(two_kernels)))  # node 1 first: it waits for node 0
+    ][::-1]
+    texts = ["".join(o.get("text", "") for o in k.collect(i, 120)[1]) for k, i in zip(two_kernels, ids, strict=True)]
+    for r, text in enumerate(texts):
+        assert f"node {r} of 2 (ranks {2 * r}-{2 * r + 1} of 4, rendezvous at 127.0.0.1:{port})" in text, text
+    assert texts[0].strip().endswith("(0, 4, 0)"), texts[0]  # node 0's kernel: rank 0's value
+    assert texts[1].strip().endswith("(2, 4, 0)"), texts[1]  # node 1's kernel: rank 2's value
+    for kernel in two_kernels:
+        assert no_children(kernel) == "[]"

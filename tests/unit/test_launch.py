@@ -49,6 +49,14 @@ def test_launch_config_never_asks_cuda_and_logs_in_the_private_dir(tmp_path: Pat
     assert set(Path("/tmp").glob("torchelastic_*")) == before
 
 
+def test_across_machines_the_rendezvous_waits_the_whole_seconds_of_the_timeout_never_less(tmp_path: Path) -> None:
+    nodes = elastic.Nodes(2, 1, "10.0.0.5", timeout=2.5)
+    config = elastic.launch_config(1, 29999, str(tmp_path / "logs"), 0.05, None, nodes)
+    assert nodes.wait == 3 and config.rdzv_configs["timeout"] == 3 and config.rdzv_configs["rank"] == 1
+    assert config.rdzv_endpoint == "10.0.0.5:29999" and config.min_nodes == config.max_nodes == 2
+    assert elastic.Nodes(2, 0, timeout=7).wait == 7 and elastic.Nodes(2, 0, timeout=0.2).wait == 1
+
+
 FORK_CHECK = """
 import json, sys
 import psutil, torch

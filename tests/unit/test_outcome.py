@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from accel_magic.launch.outcome import (
     LaunchOutcome,
+    NodeOptions,
     RankFailure,
     RankRecords,
     collect,
@@ -153,6 +154,28 @@ def test_across_machines_a_rendezvous_that_never_formed_says_how_to_start_the_no
         "this node could not form one group with the other 2 nodes at 10.0.0.5:29500 (node 0 did not answer within "
         "60 s): start the cell on every node within 60 s (--timeout), each with its own --node-rank and the same "
         "--nodes and --rdzv-endpoint; nothing was trained."
+    )
+
+
+def test_across_machines_node_0_says_how_many_nodes_joined_within_the_rendezvous_timeout_in_one_sentence() -> None:
+    outcome = LaunchOutcome(1, num_nodes=3, endpoint="10.0.0.5:29500", rdzv_timeout=5, nodes_joined=2)
+    outcome.agent_error = "DistStoreError: Timed out after 6 seconds waiting for clients. 2/3 clients joined."
+    headline = launch_error(outcome, 900).headline
+    assert headline == (
+        "this node could not form one group with the other 2 nodes at 10.0.0.5:29500 (2 of the 3 nodes joined "
+        "within 5 s): start the cell on every node within 5 s (--timeout), each with its own --node-rank and the "
+        "same --nodes and --rdzv-endpoint; nothing was trained."
+    )
+
+
+def test_across_machines_the_drop_in_names_its_own_arguments_when_the_nodes_did_not_meet() -> None:
+    outcome = LaunchOutcome(1, num_nodes=2, endpoint="10.0.0.5:29500", rdzv_timeout=30)
+    outcome.agent_error = "node 0 did not answer within 30 s"
+    options = NodeOptions("call notebook_launcher", "rdzv_conf's 'timeout'", "node_rank", "num_nodes and rdzv_id")
+    assert launch_error(outcome, 900, options).headline == (
+        "this node could not form one group with the other 1 node at 10.0.0.5:29500 (node 0 did not answer within "
+        "30 s): call notebook_launcher on every node within 30 s (rdzv_conf's 'timeout'), each with its own "
+        "node_rank and the same num_nodes and rdzv_id; nothing was trained."
     )
 
 
