@@ -67,10 +67,14 @@ def test_the_panel_stays_readable_when_the_notebook_is_reopened_without_a_kernel
     nb.run_all()
     panel_readable(nb.wait_for_output(0, "gloo"))
     nb.save()
-    server.shut_down_kernels()
     nb.page.close()
+    server.shut_down_kernels()
+    server.restart(kernels=False)  # the page asks for a kernel, and gets "No Kernel"
     again = open_notebook("panel.ipynb")
     panel_readable(again.wait_for_output(0, "gloo", timeout=30))
+    again.page.wait_for_timeout(2000)  # a kernel the page would start late
+    assert server.api("GET", "/api/sessions") == [] and server.api("GET", "/api/kernels") == []
+    panel_readable(again.output_text(0))
     html = server.root / "panel.html"
     subprocess.run(
         [front.python, "-m", "nbconvert", "--to", "html", "--output", html.name, "panel.ipynb"],
