@@ -27,6 +27,12 @@ import nbformat
 ROOT = Path(__file__).parents[2]
 COLAB_PYTHON = ROOT / ".venv-colab" / "bin" / "python"
 OUTPUTS = ".jp-OutputArea-output, .output_subarea"  # one rendered output (Lab and Notebook 7; classic)
+PROGRESS_BARS = """cell => [...cell.querySelectorAll('.widget-hprogress')].map(widget => {
+    const bar = widget.querySelector('.progress-bar'), track = bar && bar.parentElement;
+    const box = widget.closest('.widget-hbox') || widget;
+    return {drawn: bar ? bar.getBoundingClientRect().width / track.getBoundingClientRect().width : 0,
+            width: bar ? bar.style.width : null, text: box.innerText};
+})"""
 
 
 def chromium_path() -> str | None:
@@ -270,6 +276,12 @@ class NotebookPage:
         """What the cell's outputs show, as text."""
         cell = self.cells().nth(index)
         return "\n".join(cell.locator(OUTPUTS).all_inner_texts())
+
+    def progress_bars(self, index: int) -> list[dict[str, Any]]:
+        """The horizontal progress widgets drawn in the cell's outputs (ipywidgets 7 and 8 draw the same
+        elements): how full each bar is drawn (its width in its track), its style width, and the text of the box it
+        is in (tqdm puts its counts there)."""
+        return self.cells().nth(index).evaluate(PROGRESS_BARS)
 
     def wait_for_output(self, index: int, text: str, timeout: float = 120) -> str:
         deadline = time.monotonic() + timeout
