@@ -224,6 +224,12 @@ class NotebookPage:
         button.wait_for(state="detached", timeout=timeout * 1000)
         self.page.wait_for_selector(".cell" if self.front.classic else ".jp-Notebook .jp-Cell", timeout=timeout * 1000)
 
+    def fold_left_area(self) -> None:
+        """JupyterLab: the left area (the file browser) folded away, so the notebook is as wide as the window."""
+        if self.front.name == "lab" and self.page.locator("#jp-left-stack").is_visible():
+            self.page.keyboard.press("Control+b")
+            self.page.locator("#jp-left-stack").wait_for(state="hidden")
+
     def run_all(self) -> None:
         if self.front.classic:
             self.page.evaluate("Jupyter.notebook.execute_all_cells()")

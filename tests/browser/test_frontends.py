@@ -1,15 +1,16 @@
-"""What a user sees in JupyterLab 4, Notebook 7 and classic Notebook 6.5.7 (Colab's widget stack): the panel,
-a rank-0 progress bar, the other ranks' lines, the stop button, and the panel after the notebook is reopened or
-exported."""
+"""What a user sees in JupyterLab 4, Notebook 7 and classic Notebook 6.5.7 (Colab's widget stack): the panel
+(also in a 720 px window, in JupyterLab's light and dark themes), a rank-0 progress bar, the other ranks' lines,
+the stop button, and the panel after the notebook is reopened with no kernel or exported."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
-import sys
 import time
 
-from frontends import ROOT, write_notebook
+import pytest
+from frontends import ROOT, front_ends, write_notebook
 
 SETUP = "%load_ext accel_magic\n%accel_setup -n 2"
 TRAIN = """\
@@ -107,38 +108,62 @@ def test_the_panel_stays_readable_when_the_notebook_is_reopened_without_a_kernel
     panel_readable(again.page.inner_text("body"))
 
 
-def test_the_panel_is_compact_and_legible_in_jupyterlabs_dark_theme_at_720_px(chromium, tmp_path) -> None:
-    from frontends import FrontEnd, NotebookPage, Server
+LAB, NOTEBOOK7, CLASSIC = front_ends()
+NARROW = [
+    pytest.param(LAB, "JupyterLab Light", id="lab-light"),
+    pytest.param(LAB, "JupyterLab Dark", id="lab-dark"),
+    pytest.param(NOTEBOOK7, "JupyterLab Light", id="notebook7"),
+    pytest.param(CLASSIC, "JupyterLab Light", id="classic"),
+]
+# How the panel lays out: its text and background luminance, the headline's height in lines, how far the panel and
+# its output area overflow (scrollWidth - clientWidth), the elements that reach past the panel's right edge, and
+# the height in lines of the text of each table row's header and of a change row's "asked -> using" line, and the
+# rows of the details when they are open.
+LAYOUT = """p => {
+    const lum = c => { const [r, g, b] = c.match(/\\d+/g).map(Number); return (r + g + b) / 765; };
+    let bg = 'rgba(0, 0, 0, 0)', e = p;
+    while (e && /rgba\\(0, 0, 0, 0\\)|transparent/.test(bg)) { bg = getComputedStyle(e).backgroundColor; e = e.parentElement; }
+    const lines = e => { const r = document.createRange(); r.selectNodeContents(e);  // its text, not its box
+        return r.getBoundingClientRect().height / parseFloat(getComputedStyle(e).lineHeight); };
+    const right = p.getBoundingClientRect().right;
+    const output = p.closest('.jp-OutputArea-output, .output_subarea');
+    const row = r => ({key: lines(r.cells[0]), change: r.closest('details') ? null : lines(r.cells[1].firstElementChild),
+                       text: r.innerText.slice(0, 60)});
+    return {text: lum(getComputedStyle(p).color), background: lum(bg), headline: lines(p.firstElementChild),
+            panel: p.scrollWidth - p.clientWidth, output: output.scrollWidth - output.clientWidth,
+            page: document.documentElement.scrollWidth - document.documentElement.clientWidth,
+            beyond: [...p.querySelectorAll('*')].filter(e => e.getBoundingClientRect().right > right + 0.5)
+                .map(e => e.tagName + ': ' + e.textContent.slice(0, 40)),
+            changes: [...p.querySelectorAll(':scope > table tr')].map(row),
+            details: [...p.querySelectorAll('details[open] tr')].map(row)};
+}"""
 
-    root = tmp_path / "dark"
-    root.mkdir()
-    write_notebook(root / "dark.ipynb", SETUP + " --mixed-precision fp16 --strategy fsdp")
-    server = Server(FrontEnd("lab", sys.executable), root, theme="JupyterLab Dark")
-    page = chromium.new_page(viewport={"width": 720, "height": 900})
-    try:
-        nb = NotebookPage(page, server, "dark.ipynb")
-        page.keyboard.press("Control+b")  # the file browser folded: the notebook as wide as the window
-        nb.run_all()
-        nb.wait_for_output(0, "gloo")
-        panel = page.locator(".accel-magic-panel")
-        looks = panel.evaluate(
-            """p => {
-                const lum = c => { const [r, g, b] = c.match(/\\d+/g).map(Number); return (r + g + b) / 765; };
-                let bg = 'rgba(0, 0, 0, 0)', e = p;
-                while (e && /rgba\\(0, 0, 0, 0\\)|transparent/.test(bg)) { bg = getComputedStyle(e).backgroundColor; e = e.parentElement; }
-                const headline = p.firstElementChild, line = parseFloat(getComputedStyle(headline).lineHeight);
-                return {text: lum(getComputedStyle(p).color), background: lum(bg), lines: headline.getBoundingClientRect().height / line,
-                        rows: [...p.querySelectorAll(':scope > table tr')].map(r => r.getBoundingClientRect().height),
-                        width: p.getBoundingClientRect().width};
-            }"""
-        )
-        assert looks["text"] > 0.6 and looks["background"] < 0.3, looks  # light text on the dark theme
-        assert looks["lines"] < 1.6, looks  # the headline on one line at 720 px
-        assert len(looks["rows"]) == 2, looks  # mixed_precision and strategy: asked -> using
-        assert looks["width"] <= 720, looks
-    finally:
-        page.close()
-        server.close()
+
+@pytest.mark.parametrize("front, theme", NARROW, indirect=["front"])
+def test_the_panel_is_compact_and_legible_at_720_px(server, open_notebook, front, theme) -> None:
+    write_notebook(server.root / "narrow.ipynb", SETUP + " --mixed-precision fp16 --strategy fsdp")
+    nb = open_notebook("narrow.ipynb", width=720)
+    nb.fold_left_area()  # the notebook as wide as the window
+    nb.run_all()
+    nb.wait_for_output(0, "gloo")
+    panel = nb.page.locator(".accel-magic-panel")
+    looks = panel.evaluate(LAYOUT)
+    shown = json.dumps(looks, indent=1)  # in full when a check fails
+    if "Dark" in theme and not front.classic:
+        assert looks["text"] > 0.6 and looks["background"] < 0.3, shown  # light text on the dark theme
+    else:
+        assert looks["text"] < 0.4 and looks["background"] > 0.7, shown
+    assert looks["headline"] < 1.5, shown  # the headline on one line at 720 px
+    assert looks["panel"] <= 0 and looks["output"] <= 0 and looks["page"] <= 0 and not looks["beyond"], shown
+    assert len(looks["changes"]) == 2, shown  # mixed_precision and strategy: asked -> using
+    assert all(r["key"] < 1.5 and r["change"] < 1.5 for r in looks["changes"]), shown
+    assert looks["details"] == [], shown  # folded
+    panel.locator("summary").click()
+    opened = panel.evaluate(LAYOUT)
+    shown = json.dumps(opened, indent=1)
+    assert len(opened["details"]) > 10, shown  # the plan's settings and the runtime, with their group rows
+    assert opened["panel"] <= 0 and opened["output"] <= 0 and opened["page"] <= 0 and not opened["beyond"], shown
+    assert all(r["key"] < 1.5 for r in opened["details"]), shown  # each setting's name on one line
 
 
 BACKGROUND = """\
