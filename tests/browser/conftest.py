@@ -31,10 +31,16 @@ def front(request: pytest.FixtureRequest) -> FrontEnd:
 
 
 @pytest.fixture
-def server(front: FrontEnd, tmp_path: Path):
+def theme() -> str:
+    """JupyterLab's and Notebook 7's theme (classic Notebook has only its own); a test parametrizes it."""
+    return "JupyterLab Light"
+
+
+@pytest.fixture
+def server(front: FrontEnd, theme: str, tmp_path: Path):
     root = tmp_path / "notebooks"
     root.mkdir()
-    server = Server(front, root)
+    server = Server(front, root, theme=theme)
     yield server
     server.close()
 

@@ -27,6 +27,12 @@ import nbformat
 ROOT = Path(__file__).parents[2]
 COLAB_PYTHON = ROOT / ".venv-colab" / "bin" / "python"
 OUTPUTS = ".jp-OutputArea-output, .output_subarea"  # one rendered output (Lab and Notebook 7; classic)
+PROGRESS_BARS = """cell => [...cell.querySelectorAll('.widget-hprogress')].map(widget => {
+    const bar = widget.querySelector('.progress-bar'), track = bar && bar.parentElement;
+    const box = widget.closest('.widget-hbox') || widget;
+    return {drawn: bar ? bar.getBoundingClientRect().width / track.getBoundingClientRect().width : 0,
+            width: bar ? bar.style.width : null, text: box.innerText};
+})"""
 
 
 def chromium_path() -> str | None:
@@ -71,24 +77,40 @@ class FrontEnd:
 
 class Server:
     """A Jupyter server on 127.0.0.1 with a token, its files in `root`, its settings and runtime files in a
-    folder of its own (no news prompt, nothing written to the user's Jupyter folders)."""
+    folder of its own (no news prompt, nothing written to the user's Jupyter folders).
 
-    def __init__(self, front: FrontEnd, root: Path, theme: str = "JupyterLab Light") -> None:
-        self.front, self.root = front, root
+    With `kernels=False` it offers no kernel (KernelSpecManager.allowed_kernelspecs names none, and JupyterLab
+    does not start its default one), as where a notebook is opened without the environment it ran in: the page
+    asks for a kernel and `NotebookPage` answers "No Kernel"."""
+
+    def __init__(self, front: FrontEnd, root: Path, theme: str = "JupyterLab Light", kernels: bool = True) -> None:
+        self.front, self.root, self.theme = front, root, theme
+        self.home = root.parent / f"{root.name}-jupyter"
+        self.log = self.home / "server.log"
+        self._start(kernels)
+
+    def _start(self, kernels: bool) -> None:
+        self.kernels = kernels
         self.port, self.token = free_port(), secrets.token_hex(16)
-        home = root.parent / f"{root.name}-jupyter"
+        home = self.home
+        (home / "config").mkdir(parents=True, exist_ok=True)
         for plugin, values in (("apputils-extension/notification", {"fetchNews": "false"}),
-                               ("notebook-extension/tracker", {"autoStartDefaultKernel": True}),
-                               ("apputils-extension/themes", {"theme": theme})):  # fmt: skip
+                               ("notebook-extension/tracker", {"autoStartDefaultKernel": kernels}),
+                               ("apputils-extension/themes", {"theme": self.theme})):  # fmt: skip
             settings = home / "lab-settings" / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
             settings.parent.mkdir(parents=True, exist_ok=True)
             settings.write_text(json.dumps(values))
-        env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(home / "lab-settings"),
+        offered = {} if kernels else {"KernelSpecManager": {"allowed_kernelspecs": ["no-kernel-here"]}}
+        for config in ("jupyter_server_config.json", "jupyter_notebook_config.json"):  # Lab and Notebook 7; classic
+            (home / "config" / config).write_text(json.dumps(offered))
+        # The kernels import accel_magic from this checkout, ahead of any installed copy (an editable install
+        # of another checkout included).
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(home / "lab-settings"), PYTHONPATH=path,
                    JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_CONFIG_DIR=str(home / "config"))  # fmt: skip
-        self.log = home / "server.log"
         self.process = subprocess.Popen(
-            front.command(self.port, self.token, root),
-            cwd=root,
+            self.front.command(self.port, self.token, self.root),
+            cwd=self.root,
             env=env,
             stdout=self.log.open("w"),
             stderr=subprocess.STDOUT,
@@ -101,9 +123,15 @@ class Server:
             except OSError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"the {front.name} server did not start:\n{self.log.read_text()[-3000:]}"
+                        f"the {self.front.name} server did not start:\n{self.log.read_text()[-3000:]}"
                     ) from None
                 time.sleep(0.3)
+
+    def restart(self, kernels: bool) -> None:
+        """Stop the server (its kernels end with it) and start it again on the same folder and settings, offering
+        kernels or not."""
+        self.close()
+        self._start(kernels)
 
     def url(self, notebook: str) -> str:
         return f"http://127.0.0.1:{self.port}{self.front.path(notebook)}?token={self.token}"
@@ -140,15 +168,18 @@ class NotebookPage:
         )
         self.received: list[str] = []  # the kernel messages' types that reached the page, in order
         page.on("websocket", lambda ws: ws.on("framereceived", self._received))
+        self.file = server.root / notebook
         page.goto(server.url(notebook))
-        if self.front.classic:
+        if not server.kernels:
+            self._no_kernel()
+        elif self.front.classic:
             page.wait_for_function(
                 "window.Jupyter && Jupyter.notebook && Jupyter.notebook.kernel && Jupyter.notebook.kernel.is_connected()",
                 timeout=60_000,
             )
             # ipywidgets 7 asks the kernel which widgets it has once the page is loaded, and drops the models the
             # kernel does not know of when the answer comes: a rank's widgets made before the answer would go.
-            self._wait(lambda: "comm_info_reply" in self.received, "the widget manager's comm_info_reply")
+            self.wait(lambda: "comm_info_reply" in self.received, "the widget manager's comm_info_reply")
         else:
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
             self._kernel_ready()
@@ -159,7 +190,7 @@ class NotebookPage:
         if found:
             self.received.append(found.group(1))
 
-    def _wait(self, ready: Any, what: str, timeout: float = 60) -> None:
+    def wait(self, ready: Any, what: str, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while not ready():
             if time.monotonic() > deadline:
@@ -181,6 +212,23 @@ class NotebookPage:
                     return
             time.sleep(0.2)
         raise AssertionError("the notebook's kernel did not become idle")
+
+    def _no_kernel(self, timeout: float = 60) -> None:
+        """The server offers no kernel: the page asks for one, and the answer is "No Kernel" (classic Notebook:
+        "Continue Without Kernel")."""
+        if self.front.classic:
+            button = self.page.locator(".modal-dialog button:text-is('Continue Without Kernel')")
+        else:
+            button = self.page.locator(".jp-Dialog .jp-mod-reject:has-text('No Kernel')")
+        button.click(timeout=timeout * 1000)
+        button.wait_for(state="detached", timeout=timeout * 1000)
+        self.page.wait_for_selector(".cell" if self.front.classic else ".jp-Notebook .jp-Cell", timeout=timeout * 1000)
+
+    def fold_left_area(self) -> None:
+        """JupyterLab: the left area (the file browser) folded away, so the notebook is as wide as the window."""
+        if self.front.name == "lab" and self.page.locator("#jp-left-stack").is_visible():
+            self.page.keyboard.press("Control+b")
+            self.page.locator("#jp-left-stack").wait_for(state="hidden")
 
     def run_all(self) -> None:
         if self.front.classic:
@@ -205,13 +253,26 @@ class NotebookPage:
                 "jp-button[data-command='notebook:interrupt-kernel'], [data-command='notebook:interrupt-kernel']"
             )
 
-    def save(self) -> None:
+    def save(self, timeout: float = 30) -> None:
+        """Save through the page and wait until the file on disk holds the outputs the page shows: each cell
+        with outputs in the page has outputs, and its execution count, in the file."""
+        shown = [bool(self.output_text(i).strip()) for i in range(self.cells().count())]
+        assert any(shown), "the page shows no outputs to save"
         if self.front.classic:
             self.page.evaluate("Jupyter.notebook.save_notebook()")
         else:
             self.page.keyboard.press("Control+s")
-        deadline = time.monotonic() + 20
-        while _has_no_outputs_on_disk(self.server.root) and time.monotonic() < deadline:
+        deadline = time.monotonic() + timeout
+        while True:
+            saved = _saved_outputs(self.file)
+            if saved == shown:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"the save did not land within {timeout:g} s: {self.file.name} on disk has outputs in cells "
+                    f"{[i for i, s in enumerate(saved) if s]}, the page shows them in cells "
+                    f"{[i for i, s in enumerate(shown) if s]}"
+                )
             time.sleep(0.2)
 
     def cells(self) -> Any:
@@ -221,6 +282,12 @@ class NotebookPage:
         """What the cell's outputs show, as text."""
         cell = self.cells().nth(index)
         return "\n".join(cell.locator(OUTPUTS).all_inner_texts())
+
+    def progress_bars(self, index: int) -> list[dict[str, Any]]:
+        """The horizontal progress widgets drawn in the cell's outputs (ipywidgets 7 and 8 draw the same
+        elements): how full each bar is drawn (its width in its track), its style width, and the text of the box it
+        is in (tqdm puts its counts there)."""
+        return self.cells().nth(index).evaluate(PROGRESS_BARS)
 
     def wait_for_output(self, index: int, text: str, timeout: float = 120) -> str:
         deadline = time.monotonic() + timeout
@@ -248,13 +315,13 @@ class NotebookPage:
             self.page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout * 1000)
 
 
-def _has_no_outputs_on_disk(root: Path) -> bool:
-    """Until the save lands, the notebook file on disk still has no outputs."""
-    for path in root.glob("*.ipynb"):
+def _saved_outputs(path: Path) -> list[bool]:
+    """For each cell of the notebook file: whether it holds outputs from a run (outputs and an execution count)."""
+    try:
         nb = json.loads(path.read_text())
-        if any(cell.get("outputs") for cell in nb["cells"]):
-            return False
-    return True
+    except (OSError, ValueError):  # not there yet, or being written
+        return []
+    return [bool(cell.get("outputs")) and cell.get("execution_count") is not None for cell in nb["cells"]]
 
 
 def front_ends() -> list[FrontEnd]:
