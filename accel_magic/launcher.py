@@ -150,11 +150,11 @@ def notebook_launcher(
 
     from .accelerator import state_set_aside
     from .jobs import refuse_while_running
-    from .launch import NodeOptions
+    from .launch import NodeOptions, launch_interrupted
     from .plan import PlanError, Request, make_plan
     from .results import receive_payload
     from .runtime import probe
-    from .train import launch_plan, plan_nodes
+    from .train import launch_plan, plan_nodes, stopped_before_start
 
     _check(max_restarts, log_line_prefix_template)
     refuse_while_running()
@@ -169,6 +169,8 @@ def notebook_launcher(
         plan = make_plan(probe(get_ipython()), request)
     except PlanError as err:
         raise LauncherError(str(err)) from None
+    except KeyboardInterrupt:  # said in one line, as for a launch stopped later
+        raise launch_interrupted(stopped_before_start(request.num_processes or 0)) from None
     if plan.launch == "kernel":
         with state_set_aside():  # the function's own Accelerator is not bound by the notebook's settings
             return function(*args)

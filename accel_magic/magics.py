@@ -289,18 +289,22 @@ class AccelMagics(Magics):
         """
         from .cell import CellError, compile_cell
         from .jobs import refuse_while_running, start_job
+        from .launch import LaunchInterrupted
         from .train import TrainError, run_in_kernel, run_ranks
 
         args = _parse(self.accel_train, line, "accel_train")
         max_mb = _positive_float(args.max_return_mb, "--max-return-mb") or self.max_return_mb
         port = _port(args.port)
         request = self._train_request(args)
+        result_name = self._result_name(args)
         try:
             code = compile_cell(cell, self.shell.transform_cell)
             runtime = self.plan.runtime if self.plan is not None else probe(self.shell)
             plan = make_plan(runtime, request)
         except (PlanError, CellError) as err:
             raise UsageError(str(err)) from None
+        except KeyboardInterrupt:  # said in one line, as for a launch stopped later
+            raise self._stopped_before_start(result_name, request.num_processes or 0) from None
         for kind, magic in code.magics:
             if self.shell.find_magic(magic, kind) is None:
                 sign = "%" if kind == "line" else "%%"
@@ -309,7 +313,6 @@ class AccelMagics(Magics):
                     "in an earlier cell; nothing was launched."
                 )
         returns = _returns(args, code.bound)
-        result_name = self._result_name(args)
         try:
             refuse_while_running()
         except TrainError as err:
@@ -342,6 +345,10 @@ class AccelMagics(Magics):
             )
         except TrainError as err:
             raise UsageError(str(err)) from None
+        except KeyboardInterrupt as err:
+            if isinstance(err, LaunchInterrupted):  # the launch's own line
+                raise
+            raise self._stopped_before_start(result_name, plan.num_processes) from None
 
     @magic_arguments()
     @argument("path", help="the script to write, a .py file; the SLURM batch file goes next to it as <name>.slurm")
@@ -417,6 +424,15 @@ class AccelMagics(Magics):
                 print(job.note or f"The background launch ({job.name}) had ended: {job.status}.")
             return
         self._end_of(job)
+
+    def _stopped_before_start(self, result_name: str, num_processes: int) -> KeyboardInterrupt:
+        """An interrupt that came before the launch started: its outcome in `result_name`, and its one line."""
+        from .launch import launch_interrupted
+        from .train import stopped_before_start
+
+        outcome = stopped_before_start(num_processes)
+        self.shell.user_ns[result_name] = outcome
+        return launch_interrupted(outcome)
 
     @staticmethod
     def _end_of(job: Any) -> None:

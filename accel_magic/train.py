@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .launch import LaunchOutcome, NodeOptions, Nodes, RankBody
 
 __all__ = ["OneSentence", "TrainError", "CellBody", "run_in_kernel", "plan_nodes", "check_launch", "launch_ranks",
-           "launch_failure", "launch_plan", "bring_back", "run_ranks"]  # fmt: skip
+           "launch_failure", "stopped_before_start", "launch_plan", "bring_back", "run_ranks"]  # fmt: skip
 
 _MISSING = object()
 
@@ -163,6 +163,13 @@ def launch_failure(outcome: LaunchOutcome, plan: Plan, source: str = "",
     return None
 
 
+def stopped_before_start(num_processes: int, first_rank: int = 0) -> LaunchOutcome:
+    """The outcome of a launch interrupted before any of its ranks started."""
+    from .launch import LaunchOutcome
+
+    return LaunchOutcome(num_processes, first_rank, interrupted=True)
+
+
 def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | None, max_bytes: int,
                 receive: Callable[[bytes, str], Any] | None, monitor_interval: float = 0.05,
                 port_option: str = "--port", endpoint_option: str = "--rdzv-endpoint",
@@ -176,20 +183,23 @@ def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | N
     from .launch.relay import publish_kernel_message
 
     nodes = nodes or plan_nodes(plan)
-    check_launch(plan, port, nodes, port_option=port_option, endpoint_option=endpoint_option)
-    print(launch_banner(plan))
-    outcome = launch_ranks(
-        body,
-        plan,
-        nodes,
-        cell_filename=cell_filename,
-        port=port,
-        max_bytes=max_bytes,
-        receive=receive,
-        on_text=write_rank_text,
-        on_message=publish_kernel_message,
-        monitor_interval=monitor_interval,
-    )
+    try:
+        check_launch(plan, port, nodes, port_option=port_option, endpoint_option=endpoint_option)
+        print(launch_banner(plan))
+        outcome = launch_ranks(
+            body,
+            plan,
+            nodes,
+            cell_filename=cell_filename,
+            port=port,
+            max_bytes=max_bytes,
+            receive=receive,
+            on_text=write_rank_text,
+            on_message=publish_kernel_message,
+            monitor_interval=monitor_interval,
+        )
+    except KeyboardInterrupt:  # before the launch held the kernel's interrupts (it returns those it held)
+        outcome = stopped_before_start(plan.num_processes, nodes.rank * plan.num_processes)
     failure = launch_failure(outcome, plan, source, node_options)
     if failure is not None:
         raise failure
@@ -235,9 +245,10 @@ def bring_back(outcome: LaunchOutcome, ns: dict[str, Any], before: Mapping[str, 
 def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name: str, returns: tuple[str, ...] | None,
               port: int | None, max_bytes: int) -> None:  # fmt: skip
     """Run the cell as the plan's ranks and apply rank 0's results to the notebook at once (nothing changes
-    when the launch fails)."""
+    when the launch fails or is interrupted). `result_name` gets the outcome of every launch that ran, or was
+    stopped before it could."""
     from .accelerator import rank_accelerator
-    from .launch import LaunchError, LaunchInterrupted
+    from .launch import LaunchError, LaunchInterrupted, launch_interrupted
     from .results import receive_payload
 
     ns = shell.user_ns
@@ -259,6 +270,10 @@ def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name:
         if err.outcome is not None:
             ns[result_name] = err.outcome
         raise
+    except KeyboardInterrupt:  # before the launch could hold the kernel's interrupts
+        outcome = stopped_before_start(plan.num_processes)
+        ns[result_name] = outcome
+        raise launch_interrupted(outcome) from None
     finally:
         del body, notebook
     bring_back(outcome, ns)
