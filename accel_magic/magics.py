@@ -438,10 +438,12 @@ class AccelMagics(Magics):
     def _end_of(job: Any) -> None:
         """A background launch that ended while a cell waited for it: its results applied now, or its failure
         shown as a foreground launch's."""
-        from .train import launch_failure
+        from .train import launch_failure, results_interrupted
 
         line = job.apply()
         failure = launch_failure(job.outcome, job.plan) if job.status != "done" else None
+        if failure is None and job.outcome.interrupted:  # the interrupt came while the results were applied
+            failure = results_interrupted(job.outcome)
         if failure is not None:
             raise failure
         print(line)

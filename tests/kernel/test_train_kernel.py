@@ -461,6 +461,33 @@ def test_an_interrupt_right_after_the_cell_starts_stops_the_launch_in_one_line(l
     assert seen[0] == before, seen  # torch was still being imported: nothing was forked
 
 
+def test_an_interrupt_while_results_are_applied_leaves_each_name_applied_in_full_or_as_it_was(live_kernel) -> None:
+    live_kernel.execute(SETUP)
+    live_kernel.execute(
+        "import time\nclass Slow:\n    def __init__(self):\n        self.v = 0\n"
+        "    def state_dict(self):\n        return {'v': self.v}\n"
+        "    def load_state_dict(self, state):\n        print('loading', flush=True)\n        time.sleep(1.5)\n"
+        "        self.v = state['v']\nslow = Slow()\nafter = 'old'"
+    )
+    cell = "%%accel_train -n 2\naccelerator.register_for_checkpointing(slow)\nslow.v = 5\nfirst = slow\nafter = 'new'"
+    msg_id = live_kernel.kc.execute(cell, stop_on_error=False)
+    while True:  # until the kernel loads the first name's state
+        msg = live_kernel.kc.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") == msg_id and "loading" in msg["content"].get("text", "").split("\n"):
+            break
+    live_kernel.km.interrupt_kernel()
+    reply, outputs = live_kernel.collect(msg_id, timeout=30)
+    assert one_line_error(reply, outputs) == (
+        "the 2 ranks had ended, and the interrupt came while their results were applied (applied first; left as they "
+        "were: after)"
+    )
+    assert live_kernel.text("print(slow.v, first is slow, after)").strip() == "5 True old"
+    assert live_kernel.text(
+        "print(repr(accel_result).split(':')[0], [n for n, _ in accel_result.skipped])"
+    ).strip() == ("<accel_train interrupted ['after']")
+    assert live_kernel.text(LEFT_BEHIND).strip() == "<accel_train interrupted [] []"
+
+
 def test_accel_result_of_a_cell_run_in_the_kernel_says_failed_or_interrupted(live_kernel) -> None:
     live_kernel.execute(SETUP)
     show = "print(repr(accel_result).split(';')[0])"
