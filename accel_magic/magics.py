@@ -287,24 +287,28 @@ class AccelMagics(Magics):
         into the notebook when the first cell after the end runs (names rebound meanwhile are kept, and the
         launch's values left in the job's `results`), or at once with %accel_wait. One background launch at a time.
         """
+        args = _parse(self.accel_train, line, "accel_train")
+        try:
+            self._train(args, cell)
+        except KeyboardInterrupt as err:
+            if hasattr(err, "_render_traceback_"):  # the launch's own line
+                raise
+            raise self._stopped_before_start(args) from None  # an interrupt before the launch held them
+
+    def _train(self, args: Any, cell: str) -> None:
         from .cell import CellError, compile_cell
         from .jobs import refuse_while_running, start_job
-        from .launch import LaunchInterrupted
         from .train import TrainError, run_in_kernel, run_ranks
 
-        args = _parse(self.accel_train, line, "accel_train")
         max_mb = _positive_float(args.max_return_mb, "--max-return-mb") or self.max_return_mb
         port = _port(args.port)
         request = self._train_request(args)
-        result_name = self._result_name(args)
         try:
             code = compile_cell(cell, self.shell.transform_cell)
             runtime = self.plan.runtime if self.plan is not None else probe(self.shell)
             plan = make_plan(runtime, request)
         except (PlanError, CellError) as err:
             raise UsageError(str(err)) from None
-        except KeyboardInterrupt:  # said in one line, as for a launch stopped later
-            raise self._stopped_before_start(result_name, request.num_processes or 0) from None
         for kind, magic in code.magics:
             if self.shell.find_magic(magic, kind) is None:
                 sign = "%" if kind == "line" else "%%"
@@ -313,6 +317,7 @@ class AccelMagics(Magics):
                     "in an earlier cell; nothing was launched."
                 )
         returns = _returns(args, code.bound)
+        result_name = self._result_name(args)
         try:
             refuse_while_running()
         except TrainError as err:
@@ -345,10 +350,6 @@ class AccelMagics(Magics):
             )
         except TrainError as err:
             raise UsageError(str(err)) from None
-        except KeyboardInterrupt as err:
-            if isinstance(err, LaunchInterrupted):  # the launch's own line
-                raise
-            raise self._stopped_before_start(result_name, plan.num_processes) from None
 
     @magic_arguments()
     @argument("path", help="the script to write, a .py file; the SLURM batch file goes next to it as <name>.slurm")
@@ -425,11 +426,16 @@ class AccelMagics(Magics):
             return
         self._end_of(job)
 
-    def _stopped_before_start(self, result_name: str, num_processes: int) -> KeyboardInterrupt:
-        """An interrupt that came before the launch started: its outcome in `result_name`, and its one line."""
+    def _stopped_before_start(self, args: Any) -> KeyboardInterrupt:
+        """An interrupt that came before the launch started: its one line, and its outcome in the launch's result
+        variable (unless the interrupt came before a refusal)."""
         from .launch import launch_interrupted
         from .train import stopped_before_start
 
+        try:
+            result_name, num_processes = self._result_name(args), self._train_request(args).num_processes or 0
+        except UsageError:
+            return launch_interrupted(stopped_before_start(0))
         outcome = stopped_before_start(num_processes)
         self.shell.user_ns[result_name] = outcome
         return launch_interrupted(outcome)
