@@ -442,13 +442,20 @@ def test_an_interrupt_right_after_the_cell_starts_stops_the_launch_in_one_line(l
     ran = "the 2 ranks were stopped( \\(rank 0 was at cell line \\d\\))?"
     before = "the launch was stopped before its ranks started"
     # The first launch of a kernel imports torch before it forks (seconds); later ones start within a second. An
-    # interrupt at any of these moments ends the cell in one line, leaves nothing behind, and sets accel_result.
+    # interrupt at any of these moments ends the cell in one line, leaves nothing behind, and sets accel_result;
+    # one that comes before IPython called the magic is IPython's own, with none of our frames.
     seen = []
     for delay in (0.3, 0.0, 0.02, 0.1, 0.2):
+        live_kernel.execute("accel_result = None")
         msg_id = live_kernel.start(cell)
         time.sleep(delay)
         live_kernel.km.interrupt_kernel()
         reply, outputs = live_kernel.collect(msg_id, timeout=60)
+        (error,) = [o for o in outputs if o["output_type"] == "error"]
+        if len(error["traceback"]) > 1 and live_kernel.text("print(accel_result)").strip() == "None":
+            assert "accel_magic" not in "".join(error["traceback"]), error["traceback"]
+            seen.append("before the magic ran")
+            continue
         message = one_line_error(reply, outputs)
         assert re.fullmatch(f"{before}|{ran}", message), message
         assert live_kernel.text(LEFT_BEHIND).strip() == "<accel_train interrupted [] []"
