@@ -117,6 +117,31 @@ def _source(function: Callable[..., Any], filename: str) -> str:
     return os.path.basename(filename) or "the function"
 
 
+def _plan(function: Callable[..., Any], num_processes: Any, mixed_precision: str, use_port: str, master_addr: str,
+          node_rank: int, num_nodes: int, rdzv_backend: str, rdzv_endpoint: str, rdzv_conf: dict[str, Any] | None,
+          max_restarts: int, log_line_prefix_template: str | None) -> tuple[Any, int | None]:  # fmt: skip
+    """The arguments checked (each refusal one LauncherError) and the plan made from them; the port to use."""
+    from IPython import get_ipython
+
+    from .jobs import refuse_while_running
+    from .plan import PlanError, Request, make_plan
+    from .runtime import probe
+
+    _check(max_restarts, log_line_prefix_template)
+    refuse_while_running()
+    if not callable(function):
+        raise LauncherError(f"function must be callable, not a {type(function).__name__}.")
+    port = _port(use_port)
+    nodes = _nodes(num_nodes, node_rank, master_addr, str(use_port), rdzv_backend, rdzv_endpoint, rdzv_conf)
+    request = Request(
+        num_processes=_num_processes(num_processes), mixed_precision=str(mixed_precision).lower(), **nodes
+    )
+    try:
+        return make_plan(probe(get_ipython()), request), port
+    except PlanError as err:
+        raise LauncherError(str(err)) from None
+
+
 def notebook_launcher(
     function: Callable[..., Any],
     args: tuple[Any, ...] = (),
@@ -146,29 +171,20 @@ def notebook_launcher(
     rendezvous on node 0's store. Restarts, log line prefixes and an rdzv_conf "rank" other than node_rank are
     refused with a sentence saying so.
     """
-    from IPython import get_ipython
+    try:
+        plan, port = _plan(function, num_processes, mixed_precision, use_port, master_addr, node_rank, num_nodes,
+                           rdzv_backend, rdzv_endpoint, rdzv_conf, max_restarts, log_line_prefix_template)  # fmt: skip
+    except KeyboardInterrupt:  # before the launch held the interrupts: one line, as for a launch stopped later
+        from .launch import launch_interrupted
+        from .train import stopped_before_start
 
+        n = num_processes if type(num_processes) is int and num_processes > 0 else 0
+        raise launch_interrupted(stopped_before_start(n)) from None
     from .accelerator import state_set_aside
-    from .jobs import refuse_while_running
     from .launch import NodeOptions
-    from .plan import PlanError, Request, make_plan
     from .results import receive_payload
-    from .runtime import probe
     from .train import launch_plan, plan_nodes
 
-    _check(max_restarts, log_line_prefix_template)
-    refuse_while_running()
-    if not callable(function):
-        raise LauncherError(f"function must be callable, not a {type(function).__name__}.")
-    port = _port(use_port)
-    nodes = _nodes(num_nodes, node_rank, master_addr, str(use_port), rdzv_backend, rdzv_endpoint, rdzv_conf)
-    request = Request(
-        num_processes=_num_processes(num_processes), mixed_precision=str(mixed_precision).lower(), **nodes
-    )
-    try:
-        plan = make_plan(probe(get_ipython()), request)
-    except PlanError as err:
-        raise LauncherError(str(err)) from None
     if plan.launch == "kernel":
         with state_set_aside():  # the function's own Accelerator is not bound by the notebook's settings
             return function(*args)

@@ -287,11 +287,19 @@ class AccelMagics(Magics):
         into the notebook when the first cell after the end runs (names rebound meanwhile are kept, and the
         launch's values left in the job's `results`), or at once with %accel_wait. One background launch at a time.
         """
+        args = _parse(self.accel_train, line, "accel_train")
+        try:
+            self._train(args, cell)
+        except KeyboardInterrupt as err:
+            if hasattr(err, "_render_traceback_"):  # the launch's own line
+                raise
+            raise self._stopped_before_start(args) from None  # an interrupt before the launch held them
+
+    def _train(self, args: Any, cell: str) -> None:
         from .cell import CellError, compile_cell
         from .jobs import refuse_while_running, start_job
         from .train import TrainError, run_in_kernel, run_ranks
 
-        args = _parse(self.accel_train, line, "accel_train")
         max_mb = _positive_float(args.max_return_mb, "--max-return-mb") or self.max_return_mb
         port = _port(args.port)
         request = self._train_request(args)
@@ -418,14 +426,30 @@ class AccelMagics(Magics):
             return
         self._end_of(job)
 
+    def _stopped_before_start(self, args: Any) -> KeyboardInterrupt:
+        """An interrupt that came before the launch started: its one line, and its outcome in the launch's result
+        variable (unless the interrupt came before a refusal)."""
+        from .launch import launch_interrupted
+        from .train import stopped_before_start
+
+        try:
+            result_name, num_processes = self._result_name(args), self._train_request(args).num_processes or 0
+        except UsageError:
+            return launch_interrupted(stopped_before_start(0))
+        outcome = stopped_before_start(num_processes)
+        self.shell.user_ns[result_name] = outcome
+        return launch_interrupted(outcome)
+
     @staticmethod
     def _end_of(job: Any) -> None:
         """A background launch that ended while a cell waited for it: its results applied now, or its failure
         shown as a foreground launch's."""
-        from .train import launch_failure
+        from .train import launch_failure, results_interrupted
 
         line = job.apply()
         failure = launch_failure(job.outcome, job.plan) if job.status != "done" else None
+        if failure is None and job.outcome.interrupted:  # the interrupt came while the results were applied
+            failure = results_interrupted(job.outcome)
         if failure is not None:
             raise failure
         print(line)

@@ -1,5 +1,5 @@
-"""Rank 0's results: packed into files in the launch's folder (in the rank), read back and applied to the
-notebook all at once (in the kernel). The manifest that travels between the two is encoded and decoded here.
+"""Rank 0's results: packed into files in the launch's folder (in the rank), read back, checked, and applied to
+the notebook name by name (in the kernel). The manifest that travels between the two is encoded and decoded here.
 
 Patched, not private: `accelerate.Accelerator.prepare` and `Accelerator.register_for_checkpointing` are
 wrapped in a rank (public API, accelerate 0.x and later) to remember what each call was given, so trained
@@ -242,34 +242,42 @@ def receive_payload(payload: bytes, folder: str) -> Received:
     return receive_results(pickle.loads(payload), folder)
 
 
-def unpack_results(received: Received, ns: Mapping[str, Any]) -> tuple[Callable[[], None], list[Skipped]]:
-    """Decide everything the notebook will take, without changing it. Returns (apply, skipped): apply()
-    makes every change at once."""
-    updates: dict[str, Any] = {}
-    loads: list[tuple[Any, Any]] = []
+_NO_BINDING = object()
+
+
+def unpack_results(received: Received, ns: Mapping[str, Any]) -> tuple[Callable[..., list[str]], list[Skipped]]:
+    """Decide everything the notebook will take, without changing it. Returns (apply, skipped): apply() makes
+    every change, name by name."""
+    steps: list[tuple[str, Any, Any, Any]] = []  # (name, object to load state into or None, state, binding)
     skipped = list(received.skipped)
     for name, action, home, value in received.items:
         try:
             if action == "keep":
-                updates[name] = ns[home]
+                steps.append((name, None, None, ns[home]))
             elif action == "import":
-                updates[name] = importlib.import_module(home)
+                steps.append((name, None, None, importlib.import_module(home)))
             elif action in ("load_state", "state"):
                 target = ns[home]
                 _check_state(target, value)
-                loads.append((target, value))
-                if action == "load_state":
-                    updates[name] = target
+                steps.append((name, target, value, target if action == "load_state" else _NO_BINDING))
             else:
-                updates[name] = value
+                steps.append((name, None, None, value))
         except Exception as err:
             skipped.append(Skipped(name, _reason(err)))
 
-    def apply() -> None:
-        for target, state in loads:
-            target.load_state_dict(state)
-        for key, value in updates.items():
-            ns[key] = value  # type: ignore[index]
+    def apply(stop: Callable[[], bool] = lambda: False) -> list[str]:
+        """Load each state and bind each name, one name at a time; `stop()`, asked before each, leaves the rest
+        as they were. Returns the names applied."""
+        applied = []
+        for name, target, state, binding in steps:
+            if stop():
+                break
+            if target is not None:
+                target.load_state_dict(state)
+            if binding is not _NO_BINDING:
+                ns[name] = binding  # type: ignore[index]
+            applied.append(name)
+        return applied
 
     return apply, skipped
 

@@ -12,10 +12,13 @@ from .cell import CellCode
 from .plan import Plan
 
 if TYPE_CHECKING:
-    from .launch import LaunchOutcome, NodeOptions, Nodes, RankBody
+    from threading import Event
+
+    from .launch import LaunchInterrupted, LaunchOutcome, NodeOptions, Nodes, RankBody
 
 __all__ = ["OneSentence", "TrainError", "CellBody", "run_in_kernel", "plan_nodes", "check_launch", "launch_ranks",
-           "launch_failure", "launch_plan", "bring_back", "run_ranks"]  # fmt: skip
+           "launch_failure", "stopped_before_start", "launch_plan", "bring_back", "results_interrupted",
+           "run_ranks"]  # fmt: skip
 
 _MISSING = object()
 
@@ -163,6 +166,13 @@ def launch_failure(outcome: LaunchOutcome, plan: Plan, source: str = "",
     return None
 
 
+def stopped_before_start(num_processes: int, first_rank: int = 0) -> LaunchOutcome:
+    """The outcome of a launch interrupted before any of its ranks started."""
+    from .launch import LaunchOutcome
+
+    return LaunchOutcome(num_processes, first_rank, interrupted=True)
+
+
 def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | None, max_bytes: int,
                 receive: Callable[[bytes, str], Any] | None, monitor_interval: float = 0.05,
                 port_option: str = "--port", endpoint_option: str = "--rdzv-endpoint",
@@ -176,20 +186,23 @@ def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | N
     from .launch.relay import publish_kernel_message
 
     nodes = nodes or plan_nodes(plan)
-    check_launch(plan, port, nodes, port_option=port_option, endpoint_option=endpoint_option)
-    print(launch_banner(plan))
-    outcome = launch_ranks(
-        body,
-        plan,
-        nodes,
-        cell_filename=cell_filename,
-        port=port,
-        max_bytes=max_bytes,
-        receive=receive,
-        on_text=write_rank_text,
-        on_message=publish_kernel_message,
-        monitor_interval=monitor_interval,
-    )
+    try:
+        check_launch(plan, port, nodes, port_option=port_option, endpoint_option=endpoint_option)
+        print(launch_banner(plan))
+        outcome = launch_ranks(
+            body,
+            plan,
+            nodes,
+            cell_filename=cell_filename,
+            port=port,
+            max_bytes=max_bytes,
+            receive=receive,
+            on_text=write_rank_text,
+            on_message=publish_kernel_message,
+            monitor_interval=monitor_interval,
+        )
+    except KeyboardInterrupt:  # before the launch held the kernel's interrupts (it returns those it held)
+        outcome = stopped_before_start(plan.num_processes, nodes.rank * plan.num_processes)
     failure = launch_failure(outcome, plan, source, node_options)
     if failure is not None:
         raise failure
@@ -197,11 +210,12 @@ def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | N
 
 
 def bring_back(outcome: LaunchOutcome, ns: dict[str, Any], before: Mapping[str, Any] | None = None,
-               held_in: str = "") -> tuple[list[str], dict[str, Any]]:  # fmt: skip
-    """Apply rank 0's results to the notebook all at once; returns the names applied, and the values held back.
-    What could not come is in `outcome.skipped`. With `before` (the namespace when a background launch started), a
-    name the notebook rebound since then keeps its new value: the launch's is held back, by name, and listed as
-    not applied, found in `held_in` (such as "accel_result.results")."""
+               held_in: str = "", stop: Event | None = None) -> tuple[list[str], dict[str, Any]]:  # fmt: skip
+    """Apply rank 0's results to the notebook, each name in full; returns the names applied, and the values held
+    back. What could not come is in `outcome.skipped`. With `before` (the namespace when a background launch
+    started), a name the notebook rebound since then keeps its new value: the launch's is held back, by name, and
+    listed as not applied, found in `held_in` (such as "accel_result.results"). Once `stop` is set (an interrupt,
+    while the caller holds them) the names not yet applied are left as they were, listed as not applied."""
     from .results import Received, unpack_results
 
     received = outcome.received
@@ -224,20 +238,45 @@ def bring_back(outcome: LaunchOutcome, ns: dict[str, Any], before: Mapping[str, 
             items.append(item)
     apply, skipped = unpack_results(Received(tuple(items), received.skipped, received.seconds), ns)
     rebound = [(n, f"rebound in the notebook since the launch started; the launch's is {held_in}[{n!r}]") for n in held]
-    outcome.skipped = tuple(skipped) + tuple(rebound)
     started = time.perf_counter()
-    apply()
+    done = set(apply(stop.is_set if stop is not None else lambda: False))
     outcome.results_seconds = {**received.seconds, "apply": time.perf_counter() - started}
     failed = {name for name, _ in skipped}
-    return [i.name for i in items if i.name not in failed and i.action not in ("state", "import")], held
+    cut = [(i.name, NOT_APPLIED) for i in items if i.name not in failed and i.name not in done]
+    outcome.skipped = tuple(skipped) + tuple(rebound) + tuple(cut)
+    return [i.name for i in items if i.name in done and i.action not in ("state", "import")], held
+
+
+NOT_APPLIED = "the interrupt came before it was applied; it was left as it was"
+
+
+def results_interrupted(outcome: LaunchOutcome) -> LaunchInterrupted:
+    """The one line for an interrupt that came while rank 0's results were applied: which names were, which
+    were left as they were."""
+    from .launch import LaunchInterrupted
+
+    n = outcome.num_processes
+    left = [name for name, why in outcome.skipped if why == NOT_APPLIED]
+    received = outcome.received.items if outcome.received is not None else ()
+    failed = {name for name, _ in outcome.skipped}
+    applied = [item.name for item in received if item.name not in failed]
+    ranks = f"the {n} ranks" if n > 1 else "the rank"
+    said = f"applied {', '.join(applied)}" if applied else "nothing applied"
+    if left:
+        said += f"; left as they were: {', '.join(left)}"
+    return LaunchInterrupted(
+        f"{ranks} had ended, and the interrupt came while their results were applied ({said})", outcome
+    )
 
 
 def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name: str, returns: tuple[str, ...] | None,
               port: int | None, max_bytes: int) -> None:  # fmt: skip
     """Run the cell as the plan's ranks and apply rank 0's results to the notebook at once (nothing changes
-    when the launch fails)."""
+    when the launch fails or is interrupted; an interrupt while they are applied leaves each name applied in full
+    or as it was). `result_name` gets the outcome of every launch that ran, or was stopped before it could."""
     from .accelerator import rank_accelerator
-    from .launch import LaunchError, LaunchInterrupted
+    from .launch import LaunchError, LaunchInterrupted, launch_interrupted
+    from .launch.guard import Interrupts
     from .results import receive_payload
 
     ns = shell.user_ns
@@ -251,18 +290,31 @@ def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name:
         notebook=notebook,
         max_bytes=max_bytes,
     )
+    outcome = None
     try:
         outcome = launch_plan(
             body, plan, cell_filename=code.filename, port=port, max_bytes=max_bytes, receive=receive_payload
         )
+        interrupts = Interrupts.hold()  # each name is applied in full or left as it was
     except (LaunchError, LaunchInterrupted) as err:  # a launch that ran and ended badly is an outcome too
         if err.outcome is not None:
             ns[result_name] = err.outcome
         raise
+    except KeyboardInterrupt:  # before the launch held interrupts, or between its end and this hold: nothing applied
+        outcome = outcome or stopped_before_start(plan.num_processes)
+        outcome.interrupted = True
+        ns[result_name] = outcome
+        raise launch_interrupted(outcome) from None
     finally:
         del body, notebook
-    bring_back(outcome, ns)
-    ns[result_name] = outcome
+    try:
+        bring_back(outcome, ns, stop=interrupts.stop)
+        ns[result_name] = outcome
+    finally:
+        interrupts.release()
+    if interrupts.count:
+        outcome.interrupted = True
+        raise results_interrupted(outcome)
     if outcome.skipped:
         listed = "; ".join(f"{item} ({reason})" for item, reason in outcome.skipped)
         print(f"Not brought back to the notebook: {listed}.")

@@ -3,7 +3,6 @@ ended. One launch, start to finish; each step lives in a module of its own (see 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -68,9 +67,11 @@ def launch(
     is `outcome.received`. The agent checks on the ranks every `monitor_interval` seconds. The kernel is left
     as it was: no process, port, file or handler.
 
-    In the kernel's main thread, an interrupt stops the ranks. In another thread (a background launch), setting
-    `stop` does, and `watch(relay)` sees which ranks have started and ended after every poll; the ranks then
-    leave the kernel's process group, so the kernel's interrupts reach only the kernel."""
+    In the kernel's main thread, an interrupt stops the ranks (a second one stops them at once) whenever it comes:
+    the kernel's interrupts are held from here to the end, so none cuts a step short, and any of them marks the
+    outcome interrupted. In another thread (a background launch), setting `stop` does, and `watch(relay)` sees
+    which ranks have started and ended after every poll; the ranks then leave the kernel's process group, so the
+    kernel's interrupts reach only the kernel."""
     first = nodes.rank * nprocs
     outcome = LaunchOutcome(nprocs, first, nodes.count, nodes.endpoint(port or 0) if nodes.count > 1 else "")
     if nodes.count > 1:
@@ -96,6 +97,7 @@ def launch(
             return guard.family(list(relay.started.values()))
         return guard.descendants(known)
 
+    interrupts = guard.Interrupts.hold(stop)
     try:
         workdir = Workdir(max_bytes)
         pipes = Pipes.open(nprocs)
@@ -116,62 +118,76 @@ def launch(
             def accel_train() -> None:  # torch's agent names its entrypoint after the function
                 program()
 
-            done = elastic.agent_thread().submit(partial(elastic.run_agent, config, accel_train, outcome))
-            peers = Peers(nodes, port, config.run_id) if nodes.count > 1 else None
+            done = Event()
+            if interrupts.stop.is_set():  # stopped before the agent forked any rank
+                done.set()
+            else:
+                done = elastic.agent_thread().submit(partial(elastic.run_agent, config, accel_train, outcome))
+                peers = Peers(nodes, port, config.run_id) if nodes.count > 1 else None
             del config
-            try:
-                while not done.is_set() and not (stop is not None and stop.is_set()):
-                    relay.poll(0.05)
-                    if watch is not None:
-                        watch(relay)
-                    if peers is not None:
-                        _exchange(peers, relay, workdir, ours, elastic.served_store(fd))
-            except KeyboardInterrupt:
+            while not done.is_set() and not interrupts.stop.is_set():
+                relay.poll(0.05)
+                if watch is not None:
+                    watch(relay)
+                if peers is not None:
+                    _exchange(peers, relay, workdir, ours, elastic.served_store(fd))
+            if interrupts.stop.is_set() and (interrupts.count or not done.is_set()):
                 outcome.interrupted = True
-            if stop is not None and stop.is_set() and not done.is_set():
-                outcome.interrupted = True
-            if outcome.interrupted:
                 if peers is not None:
                     peers.tell(f"node {nodes.rank} was interrupted")
-                with contextlib.suppress(KeyboardInterrupt):  # a second interrupt: stop them now
-                    _interrupt(relay, done, ours, nprocs)
-                guard.stop(ours())
-                done.wait(10)
+                _interrupt(relay, done, ours, nprocs, interrupts.again)
+                _stop(done, ours, interrupts.again)
             relay.drain()
             outcome.ended = relay.ended
     finally:
-        cleanup_started = time.perf_counter()
-        if peers is not None:
-            peers.close()
-            outcome.remote_failure = peers.failure
-        if relay is not None:
-            relay.close()
-        if pipes is not None:
-            pipes.close()
-        if fd is not None:
-            elastic.release_socket(fd)
-        leftovers = ours()
-        if leftovers:
-            guard.stop(leftovers)
-        if workdir is not None:
-            try:
-                collect(outcome, {r: workdir.records(r) for r in outcome.ranks})
-                if outcome.ok and receive is not None:
-                    _receive(outcome, workdir, receive)
-            finally:
-                workdir.remove()
-        outcome.cleanup_time = time.perf_counter() - cleanup_started
-        outcome.wall_time = time.perf_counter() - started
+        try:
+            cleanup_started = time.perf_counter()
+            if peers is not None:
+                peers.close()
+                outcome.remote_failure = peers.failure
+            if relay is not None:
+                relay.close()
+            if pipes is not None:
+                pipes.close()
+            if fd is not None:
+                elastic.release_socket(fd)
+            leftovers = ours()
+            if leftovers:
+                guard.stop(leftovers, hurry=interrupts.again)
+            if interrupts.count:  # also one that came while the ranks ended on their own: nothing comes back
+                outcome.interrupted = True
+            if workdir is not None:
+                try:
+                    collect(outcome, {r: workdir.records(r) for r in outcome.ranks})
+                    if outcome.ok and receive is not None:
+                        _receive(outcome, workdir, receive)
+                finally:
+                    workdir.remove()
+            outcome.cleanup_time = time.perf_counter() - cleanup_started
+            outcome.wall_time = time.perf_counter() - started
+        finally:
+            interrupts.release()  # the kernel's own handler again
     return outcome
 
 
-def _interrupt(relay: Relay, done: Event, ours: Callable[[], list[Any]], nprocs: int, grace: float = 1.0) -> None:
+def _interrupt(relay: Relay, done: Event, ours: Callable[[], list[Any]], nprocs: int, again: Event,
+               grace: float = 1.0) -> None:  # fmt: skip
     """Interrupt the ranks (the front end may not have) and give them `grace` seconds to end on their own, each
-    with a record of where its cell was; what is left is stopped after."""
+    with a record of where its cell was; what is left is stopped after, at once after a second interrupt."""
     guard.interrupt(ours())
     deadline = time.monotonic() + grace
-    while not done.is_set() and len(relay.ended) < nprocs and time.monotonic() < deadline:
+    while not done.is_set() and len(relay.ended) < nprocs and time.monotonic() < deadline and not again.is_set():
         relay.poll(0.05)
+
+
+def _stop(done: Event, ours: Callable[[], list[Any]], again: Event, wait: float = 10.0) -> None:
+    """Stop the launch's processes until its agent has ended (it may still fork a rank it was starting), for at
+    most `wait` seconds; the cleanup stops what is left after that."""
+    deadline = time.monotonic() + wait
+    while True:
+        guard.stop(ours(), hurry=again)
+        if done.wait(0.1) or time.monotonic() >= deadline:
+            return
 
 
 def _exchange(peers: Peers, relay: Relay, workdir: Workdir, ours: Callable[[], list[Any]], served: Any) -> None:

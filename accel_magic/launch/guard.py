@@ -1,5 +1,6 @@
-"""The kernel kept as it was around a launch (environment, signal handlers, loggers, leftover processes), and
-the checks made before one: a free loopback port, and a fork that CUDA has not poisoned.
+"""The kernel kept as it was around a launch (environment, signal handlers, loggers, leftover processes; its
+interrupts held while a launch runs), and the checks made before one: a free loopback port, and a fork that CUDA
+has not poisoned.
 
 Private API of torch, used here only:
 - `torch.cuda._is_in_bad_fork()` (torch 1.x and later): asked in a throw-away forked child, the only place where
@@ -15,11 +16,13 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
     "kernel_state_kept",
+    "Interrupts",
     "descendants",
     "family",
     "interrupt",
@@ -68,6 +71,49 @@ def kernel_state_kept(all_env: bool = True) -> Iterator[None]:
             logging.getLogger(name).setLevel(level)
 
 
+class Interrupts:
+    """The kernel's interrupts (SIGINT in its main thread) while a launch holds them: counted and told through
+    `stop`, never raised, so no step of the launch (forking, stopping the ranks, cleaning up, applying results)
+    is cut short half-way; the second sets `again` (stop the ranks now). Off the main thread nothing is held:
+    `stop` is then the caller's own (a background launch's Stop)."""
+
+    def __init__(self, stop: threading.Event | None = None) -> None:
+        self.stop = stop if stop is not None else threading.Event()
+        self.again = threading.Event()
+        self.count = 0
+        self._previous: Any = None
+        self._holds = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        self.stop.set()
+        if self.count > 1:
+            self.again.set()
+
+    @classmethod
+    def hold(cls, stop: threading.Event | None = None) -> Interrupts:
+        """Hold the kernel's interrupts until `release()`. Within a hold already in place, that one is returned
+        (and stays in place until it is released as often as it was held)."""
+        if threading.current_thread() is not threading.main_thread():
+            return cls(stop)
+        current = signal.getsignal(signal.SIGINT)
+        if isinstance(current, Interrupts):
+            current._holds += 1
+            return current
+        held = cls(stop)
+        if current is not None and current != signal.SIG_IGN:  # else interrupts do nothing here anyway
+            signal.signal(signal.SIGINT, held)
+            held._previous, held._holds = current, 1
+        return held
+
+    def release(self) -> None:
+        """Interrupts as they were before the hold; what came meanwhile stays in `count`."""
+        if self._holds:
+            self._holds -= 1
+            if not self._holds:
+                signal.signal(signal.SIGINT, self._previous)
+
+
 def descendants(known: set[int]) -> list[Any]:
     """The kernel's child processes (recursively), except those in `known`."""
     import psutil
@@ -108,14 +154,20 @@ def terminate(procs: list[Any]) -> None:
             p.terminate()
 
 
-def stop(procs: list[Any], grace: float = 2.0) -> None:
-    """SIGTERM, then SIGKILL after `grace` seconds; reap what we can."""
+def stop(procs: list[Any], grace: float = 2.0, hurry: threading.Event | None = None) -> None:
+    """SIGTERM, then SIGKILL after `grace` seconds, or as soon as `hurry` is set; reap what we can."""
     import psutil
 
     for p in procs:
         with contextlib.suppress(psutil.Error):
             p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=grace)
+    deadline = time.monotonic() + grace
+    alive = procs
+    while alive and not (hurry is not None and hurry.is_set()):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        _, alive = psutil.wait_procs(alive, timeout=min(left, 0.05))
     for p in alive:
         with contextlib.suppress(psutil.Error):
             p.kill()

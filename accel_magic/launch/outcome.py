@@ -75,6 +75,7 @@ class LaunchOutcome:
     received: Any = None  # what `receive` made of rank 0's results, in the kernel
     receive_error: str = ""
     interrupted: bool = False
+    started: tuple[int, ...] = ()  # the ranks whose program began (an interrupt may come before any did)
     agent_error: str = ""
     skipped: tuple[tuple[str, str], ...] = ()
     results_seconds: dict[str, float] = field(default_factory=dict)  # send (rank 0), receive, apply (kernel)
@@ -86,7 +87,8 @@ class LaunchOutcome:
             f"rank {r}: exit {c}" + (f" after {self.durations[r]:.2f} s" if r in self.durations else "")
             for r, c in sorted(self.exitcodes.items())
         )
-        return f"<accel_train {status}: {self.num_processes} processes, wall time {self.wall_time:.2f} s; {ranks}>"
+        ranks = f"; {ranks}" if ranks else ""  # none when no rank ran
+        return f"<accel_train {status}: {self.num_processes} processes, wall time {self.wall_time:.2f} s{ranks}>"
 
     @property
     def ranks(self) -> range:
@@ -152,9 +154,19 @@ CELL_LINE = re.compile(r"^  Cell line (\d+), in ", re.MULTILINE)
 def launch_interrupted(outcome: LaunchOutcome, source: str = "") -> LaunchInterrupted:
     """The one line an interrupted launch ends with: how many ranks were stopped and the line of the cell (or of
     `source`, what holds a launched function: "train.py", "train's cell") where this node's first rank was, when
-    it left one."""
+    it left one; or that no rank had started yet, or that every rank had ended before the interrupt (and then
+    nothing came back)."""
     n = outcome.num_processes
-    stopped = f"the {n} ranks were stopped" if n > 1 else "the rank was stopped"
+    if not outcome.started:
+        return LaunchInterrupted("the launch was stopped before its ranks started", outcome)
+    ranks = f"the {n} ranks" if n > 1 else "the rank"
+    if all(r in outcome.durations for r in outcome.ranks):
+        return LaunchInterrupted(
+            f"{ranks} had ended, but the interrupt came before anything came back from them: nothing in the "
+            "notebook changed",
+            outcome,
+        )
+    stopped = f"{ranks} were stopped" if n > 1 else f"{ranks} was stopped"
     first = outcome.first_rank
     lines = [int(m) for f in outcome.failures if f.rank == first for m in CELL_LINE.findall(f.traceback)]
     if lines:
@@ -187,6 +199,7 @@ def collect(outcome: LaunchOutcome, records: Mapping[int, RankRecords]) -> None:
     failed = failed or any(code for code, _ in outcome.ended.values())
     for r, (code, _) in outcome.ended.items():
         outcome.exitcodes[r] = code
+    outcome.started = tuple(r for r, record in sorted(records.items()) if record.started)
     for r, record in sorted(records.items()):
         if record.duration is not None:
             outcome.durations[r] = record.duration

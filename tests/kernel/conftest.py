@@ -73,6 +73,14 @@ class LiveKernel:
         msg_id = self.kc.execute(code, stop_on_error=False)  # ipykernel would refuse a cell sent just after an error
         return self.collect(msg_id, timeout)
 
+    def start(self, code: str, timeout: float = 60) -> str:
+        """Send a cell and return once the kernel runs it (an idle kernel ignores an interrupt); its id."""
+        msg_id = self.kc.execute(code, stop_on_error=False)
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=timeout)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input":
+                return msg_id
+
     def collect(self, msg_id: str, timeout: float = 120) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         outputs = []
         while True:

@@ -247,3 +247,37 @@ def test_interrupting_the_drop_in_stops_every_rank_within_seconds(live_kernel) -
     assert error["evalue"] == "the 2 ranks were stopped (rank 0 was at line 6 of forever's cell)"
     assert len(error["traceback"]) == 1, error["traceback"]
     assert live_kernel.text("print(psutil.Process().children(recursive=True))").strip() == "[]"
+
+
+def test_interrupting_the_drop_in_as_it_starts_ends_in_one_line_and_leaves_nothing(live_kernel) -> None:
+    import time
+
+    live_kernel.execute("import psutil\nfrom accel_magic import notebook_launcher")
+    live_kernel.execute(
+        "def forever():\n    import time\n    print('ready', flush=True)\n    for _ in range(600): time.sleep(0.05)"
+    )
+    # The first launch of a kernel imports torch before it forks (seconds): an interrupt then stops it before any
+    # rank started. Later launches fork at once, and an interrupt soon after the call lands before or after (or,
+    # very soon, before the cell called notebook_launcher at all).
+    seen = []
+    for delay in (0.3, 0.02, 0.2):
+        msg_id = live_kernel.start("notebook_launcher(forever, num_processes=2)")
+        time.sleep(delay)
+        live_kernel.km.interrupt_kernel()
+        reply, outputs = live_kernel.collect(msg_id, timeout=60)
+        assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
+        (error,) = [o for o in outputs if o["output_type"] == "error"]
+        if len(error["traceback"]) > 1:  # it came before the cell called notebook_launcher: IPython's own
+            assert "accel_magic" not in "".join(error["traceback"]), error["traceback"]
+            seen.append("before the call")
+            continue
+        assert re.fullmatch(
+            r"the launch was stopped before its ranks started|the 2 ranks were stopped( \(rank 0 was at line \d of "
+            r"forever's cell\))?",
+            error["evalue"],
+        ), error["evalue"]
+        if error["evalue"].startswith("the launch"):
+            assert "ready" not in str(outputs)
+        assert live_kernel.text("print(psutil.Process().children(recursive=True))").strip() == "[]"
+        seen.append(error["evalue"])
+    assert seen[0] == "the launch was stopped before its ranks started", seen

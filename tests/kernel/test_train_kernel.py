@@ -391,6 +391,110 @@ def test_accel_result_says_interrupted_or_failed_after_every_launch_that_ran(liv
     assert live_kernel.text(show).strip() == "<accel_train ok"
 
 
+def one_line_error(reply: dict, outputs: list[dict]) -> str:
+    """The message of the one error a cell ended with, after checking it is one line and none of our frames."""
+    (error,) = [o for o in outputs if o["output_type"] == "error"]
+    assert (reply["status"], reply["ename"], error["ename"]) == ("error", "KeyboardInterrupt", "KeyboardInterrupt")
+    assert len(error["traceback"]) == 1 and "\n" not in error["traceback"][0], error["traceback"]
+    assert re.sub(r"\x1b\[[0-9;]*m", "", error["traceback"][0]) == f"KeyboardInterrupt: {error['evalue']}"
+    return error["evalue"]
+
+
+LEFT_BEHIND = (
+    "import glob, os, psutil, tempfile\n"
+    "print(repr(accel_result).split(':')[0], psutil.Process().children(recursive=True),"
+    " glob.glob(tempfile.gettempdir() + '/accel_magic-*') + glob.glob(tempfile.gettempdir() + '/torchelastic_*'))"
+)
+
+
+def test_a_second_interrupt_while_the_ranks_are_stopped_still_ends_in_one_line(live_kernel) -> None:
+    live_kernel.execute(SETUP)
+    # Ranks that outlive the first interrupt: they catch it and ignore SIGTERM, so the kernel stops them with
+    # SIGTERM after their second of grace, and SIGKILL two seconds later; the second interrupt comes in between.
+    stubborn = (
+        "%%accel_train -n 2\nimport signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('ready', flush=True)\nwhile True:\n    try:\n        time.sleep(0.05)\n"
+        "    except KeyboardInterrupt:\n        pass\n"
+    )
+    msg_id = live_kernel.kc.execute(stubborn, stop_on_error=False)
+    while True:  # until rank 0 is in its loop
+        msg = live_kernel.kc.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") == msg_id and "ready" in msg["content"].get("text", "").split("\n"):
+            break
+    time.sleep(0.5)
+    live_kernel.km.interrupt_kernel()
+    time.sleep(1.5)
+    live_kernel.km.interrupt_kernel()
+    reply, outputs = live_kernel.collect(msg_id, timeout=30)
+    assert one_line_error(reply, outputs) == "the 2 ranks were stopped"  # killed: no rank recorded where it was
+    assert live_kernel.text(LEFT_BEHIND).strip() == "<accel_train interrupted [] []"
+    again = live_kernel.text("%%accel_train -n 2 --no-return\naccelerator.print('world', accelerator.num_processes)")
+    assert again.strip().endswith("world 2")  # the next launch works
+
+
+def test_an_interrupt_right_after_the_cell_starts_stops_the_launch_in_one_line(live_kernel, tmp_path) -> None:
+    live_kernel.execute(SETUP)
+    live_kernel.execute(f"marks = {str(tmp_path)!r}")
+    cell = (
+        "%%accel_train -n 2\nimport os, time\nopen(os.path.join(marks, f'ran-{accelerator.process_index}'), 'w').close()\n"
+        "print('ready', flush=True)\nfor _ in range(600): time.sleep(0.05)\n"
+    )
+    ran = "the 2 ranks were stopped( \\(rank 0 was at cell line \\d\\))?"
+    before = "the launch was stopped before its ranks started"
+    # The first launch of a kernel imports torch before it forks (seconds); later ones start within a second. An
+    # interrupt at any of these moments ends the cell in one line, leaves nothing behind, and sets accel_result;
+    # one that comes before IPython called the magic is IPython's own, with none of our frames.
+    seen = []
+    for delay in (0.3, 0.0, 0.02, 0.1, 0.2):
+        live_kernel.execute("accel_result = None")
+        msg_id = live_kernel.start(cell)
+        time.sleep(delay)
+        live_kernel.km.interrupt_kernel()
+        reply, outputs = live_kernel.collect(msg_id, timeout=60)
+        (error,) = [o for o in outputs if o["output_type"] == "error"]
+        if len(error["traceback"]) > 1 and live_kernel.text("print(accel_result)").strip() == "None":
+            assert "accel_magic" not in "".join(error["traceback"]), error["traceback"]
+            seen.append("before the magic ran")
+            continue
+        message = one_line_error(reply, outputs)
+        assert re.fullmatch(f"{before}|{ran}", message), message
+        assert live_kernel.text(LEFT_BEHIND).strip() == "<accel_train interrupted [] []"
+        marks = sorted(p.name for p in tmp_path.iterdir())
+        if message == before:
+            assert marks == [] and "ready" not in str(outputs)  # no rank ran the cell
+        for mark in tmp_path.iterdir():
+            mark.unlink()
+        seen.append(message)
+    assert seen[0] == before, seen  # torch was still being imported: nothing was forked
+
+
+def test_an_interrupt_while_results_are_applied_leaves_each_name_applied_in_full_or_as_it_was(live_kernel) -> None:
+    live_kernel.execute(SETUP)
+    live_kernel.execute(
+        "import time\nclass Slow:\n    def __init__(self):\n        self.v = 0\n"
+        "    def state_dict(self):\n        return {'v': self.v}\n"
+        "    def load_state_dict(self, state):\n        print('loading', flush=True)\n        time.sleep(1.5)\n"
+        "        self.v = state['v']\nslow = Slow()\nafter = 'old'"
+    )
+    cell = "%%accel_train -n 2\naccelerator.register_for_checkpointing(slow)\nslow.v = 5\nfirst = slow\nafter = 'new'"
+    msg_id = live_kernel.kc.execute(cell, stop_on_error=False)
+    while True:  # until the kernel loads the first name's state
+        msg = live_kernel.kc.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") == msg_id and "loading" in msg["content"].get("text", "").split("\n"):
+            break
+    live_kernel.km.interrupt_kernel()
+    reply, outputs = live_kernel.collect(msg_id, timeout=30)
+    assert one_line_error(reply, outputs) == (
+        "the 2 ranks had ended, and the interrupt came while their results were applied (applied first; left as they "
+        "were: after)"
+    )
+    assert live_kernel.text("print(slow.v, first is slow, after)").strip() == "5 True old"
+    assert live_kernel.text(
+        "print(repr(accel_result).split(':')[0], [n for n, _ in accel_result.skipped])"
+    ).strip() == ("<accel_train interrupted ['after']")
+    assert live_kernel.text(LEFT_BEHIND).strip() == "<accel_train interrupted [] []"
+
+
 def test_accel_result_of_a_cell_run_in_the_kernel_says_failed_or_interrupted(live_kernel) -> None:
     live_kernel.execute(SETUP)
     show = "print(repr(accel_result).split(';')[0])"

@@ -201,3 +201,49 @@ def test_a_rank_turns_the_first_sigint_into_a_keyboardinterrupt_at_the_cell_line
         del linecache.cache["<cell under test>"]
     tb = rank.cell_traceback(caught.value, "<cell under test>")
     assert re.search(r"Cell line [23], in <module>", tb) and "interrupt_once" not in tb and "rank.py" not in tb
+
+
+def test_the_kernels_interrupts_are_counted_while_held_and_raised_again_after() -> None:
+    import signal
+    import time
+
+    from accel_magic.launch.guard import Interrupts
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    held = Interrupts.hold()
+    try:
+        assert Interrupts.hold() is held  # a hold within a hold is the same one
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # not raised
+        assert held.count == 1 and held.stop.is_set() and not held.again.is_set()
+        held.release()
+        assert signal.getsignal(signal.SIGINT) is held  # the outer hold is still in place
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert held.count == 2 and held.again.is_set()
+    finally:
+        held.release()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
+
+
+def test_stop_kills_a_process_that_ignores_sigterm_at_once_when_hurried() -> None:
+    import threading
+    import time
+
+    import psutil
+
+    from accel_magic.launch.guard import stop
+
+    code = "import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint(flush=True)\ntime.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert child.stdout is not None and child.stdout.readline() == b"\n"  # SIGTERM is ignored from here on
+    hurry = threading.Event()
+    threading.Timer(0.3, hurry.set).start()
+    started = time.monotonic()
+    proc = psutil.Process(child.pid)
+    stop([proc], grace=30, hurry=hurry)
+    assert time.monotonic() - started < 10  # not the 30 s grace
+    assert proc.returncode == -9 and not psutil.pid_exists(child.pid)  # killed, and reaped

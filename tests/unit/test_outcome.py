@@ -184,6 +184,7 @@ def interrupted(rank: int, *cell_lines: int, first_rank: int = 0, num_processes:
     frames = "".join(f"  Cell line {n}, in <module>\n    step()\n" for n in cell_lines)
     tb = f"Traceback (most recent call last):\n{frames}KeyboardInterrupt\n"
     outcome = LaunchOutcome(num_processes, first_rank, interrupted=True)
+    outcome.started = tuple(range(first_rank, first_rank + num_processes))
     outcome.failures.append(RankFailure(rank, 1, "exception", "KeyboardInterrupt", tb, when=1.0))
     return outcome
 
@@ -201,7 +202,7 @@ def test_an_interrupt_inside_a_function_of_the_cell_names_the_innermost_cell_lin
 
 def test_an_interrupt_before_rank_0_reached_the_cell_says_only_that_the_ranks_were_stopped() -> None:
     assert str(launch_interrupted(interrupted(1, 4))) == "the 2 ranks were stopped"
-    assert str(launch_interrupted(LaunchOutcome(3, interrupted=True))) == "the 3 ranks were stopped"
+    assert str(launch_interrupted(LaunchOutcome(3, interrupted=True, started=(0, 1, 2)))) == "the 3 ranks were stopped"
     assert str(launch_interrupted(interrupted(0, num_processes=1))) == "the rank was stopped"
 
 
@@ -213,3 +214,22 @@ def test_an_interrupt_names_this_nodes_first_rank_and_a_functions_file_instead_o
     in_cell = launch_interrupted(interrupted(0, 6), "forever's cell")
     assert str(in_cell) == "the 2 ranks were stopped (rank 0 was at line 6 of forever's cell)"
     assert named.outcome is not None and repr(named.outcome).startswith("<accel_train interrupted: 2 processes")
+
+
+def test_an_interrupt_before_any_rank_started_or_after_every_rank_ended_says_so() -> None:
+    before = LaunchOutcome(2, interrupted=True)
+    assert str(launch_interrupted(before)) == "the launch was stopped before its ranks started"
+    assert repr(before) == "<accel_train interrupted: 2 processes, wall time 0.00 s>"
+    after = LaunchOutcome(2, interrupted=True, started=(0, 1), durations={0: 1.0, 1: 1.0})
+    assert str(launch_interrupted(after)) == (
+        "the 2 ranks had ended, but the interrupt came before anything came back from them: nothing in the notebook "
+        "changed"
+    )
+    one_ended = LaunchOutcome(2, interrupted=True, started=(0, 1), durations={1: 1.0})
+    assert str(launch_interrupted(one_ended)) == "the 2 ranks were stopped"
+
+
+def test_collect_tells_which_ranks_started() -> None:
+    outcome = LaunchOutcome(3, interrupted=True)
+    collect(outcome, {0: RankRecords(started=True), 1: RankRecords(), 2: RankRecords(started=True, duration=0.5)})
+    assert outcome.started == (0, 2)

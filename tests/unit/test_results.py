@@ -112,3 +112,24 @@ def test_a_state_dict_that_raises_is_listed_not_fatal(tmp_path) -> None:
     packed = pack_results({"net": broken, "ok": 1}, ["net", "ok"], {}, {id(broken): ("net", broken)}, str(tmp_path))
     assert [item.name for item in packed.items] == ["ok"]
     assert packed.skipped[0].name == "net" and "hooks went wrong" in packed.skipped[0].reason
+
+
+def test_applying_stops_between_names_and_says_which_were_applied(tmp_path) -> None:
+    model = torch.nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    notebook = {"model": model, "a": 0, "b": 0}
+    trained = torch.nn.Linear(2, 2)
+    received = roundtrip(
+        {"a": 1, "model": trained, "b": 2}, ["a", "model", "b"], {}, {id(trained): ("model", trained)}, tmp_path
+    )
+    apply, skipped = unpack_results(received, notebook)
+    asked = []
+
+    def stop() -> bool:
+        asked.append(len(asked))
+        return len(asked) > 1  # the interrupt comes while the first name is applied
+
+    assert apply(stop) == ["a"] and skipped == []
+    assert notebook == {"model": model, "a": 1, "b": 0}
+    assert torch.equal(model.weight, before)  # the model's state was left as it was, not half-loaded
+    assert apply() == ["a", "model", "b"] and torch.equal(model.weight, trained.weight) and notebook["b"] == 2
