@@ -1,6 +1,6 @@
 """What the nodes of a launch across machines tell each other, through node 0's rendezvous store: the first
-failure (or interrupt) on any node, so every node stops its ranks within a POLL of the report, even ranks that
-are not in a collective. On one node there is nothing to tell.
+failure (or interrupt) on any node, so every node stops its ranks at its next look at the store (every POLL
+seconds), even ranks that are not in a collective. On one node there is nothing to tell.
 
 Every call here is made once the rendezvous is done and while node 0 serves the store (node 0 waits for the
 others to finish with it): a store call that fails makes torch log a long C++ warning into the cell."""
