@@ -240,17 +240,7 @@ class Job:
             return f"Background launch ({self.name}): {self.error}; nothing was applied."
         if self.status == "failed" or self.outcome is None:
             return f"Background launch ({self.name}) failed: {self.error} (the traceback: {self.name}.details)."
-        from .launch.guard import Interrupts
-
-        interrupts = Interrupts.hold()  # each name is applied in full or left as it was
-        try:
-            applied, self.results = bring_back(
-                self.outcome, self.shell.user_ns, self._before, f"{self.name}.results", stop=interrupts.stop
-            )
-        finally:
-            interrupts.release()
-        if interrupts.count:
-            self.outcome.interrupted = True
+        applied, self.results = bring_back(self.outcome, self.shell.user_ns, self._before, f"{self.name}.results")
         line = f"Background launch ({self.name}): {ranks} done in {self.elapsed:.1f} s"
         line += f"; applied {', '.join(applied)}" if applied else "; nothing to apply"
         if self.outcome.skipped:

@@ -12,8 +12,6 @@ from .cell import CellCode
 from .plan import Plan
 
 if TYPE_CHECKING:
-    from threading import Event
-
     from .launch import LaunchInterrupted, LaunchOutcome, NodeOptions, Nodes, RankBody
 
 __all__ = ["OneSentence", "TrainError", "CellBody", "run_in_kernel", "plan_nodes", "check_launch", "launch_ranks",
@@ -210,12 +208,14 @@ def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | N
 
 
 def bring_back(outcome: LaunchOutcome, ns: dict[str, Any], before: Mapping[str, Any] | None = None,
-               held_in: str = "", stop: Event | None = None) -> tuple[list[str], dict[str, Any]]:  # fmt: skip
+               held_in: str = "") -> tuple[list[str], dict[str, Any]]:  # fmt: skip
     """Apply rank 0's results to the notebook, each name in full; returns the names applied, and the values held
     back. What could not come is in `outcome.skipped`. With `before` (the namespace when a background launch
     started), a name the notebook rebound since then keeps its new value: the launch's is held back, by name, and
-    listed as not applied, found in `held_in` (such as "accel_result.results"). Once `stop` is set (an interrupt,
-    while the caller holds them) the names not yet applied are left as they were, listed as not applied."""
+    listed as not applied, found in `held_in` (such as "accel_result.results"). The kernel's interrupts are held
+    meanwhile: after one, the names not yet applied are left as they were, listed as not applied, and the outcome
+    is marked interrupted."""
+    from .launch.guard import Interrupts
     from .results import Received, unpack_results
 
     received = outcome.received
@@ -239,7 +239,13 @@ def bring_back(outcome: LaunchOutcome, ns: dict[str, Any], before: Mapping[str, 
     apply, skipped = unpack_results(Received(tuple(items), received.skipped, received.seconds), ns)
     rebound = [(n, f"rebound in the notebook since the launch started; the launch's is {held_in}[{n!r}]") for n in held]
     started = time.perf_counter()
-    done = set(apply(stop.is_set if stop is not None else lambda: False))
+    interrupts = Interrupts.hold()  # within the caller's hold, if it has one: the same interrupts
+    try:
+        done = set(apply(interrupts.stop.is_set))
+    finally:
+        interrupts.release()
+    if interrupts.count:
+        outcome.interrupted = True
     outcome.results_seconds = {**received.seconds, "apply": time.perf_counter() - started}
     failed = {name for name, _ in skipped}
     cut = [(i.name, NOT_APPLIED) for i in items if i.name not in failed and i.name not in done]
@@ -295,7 +301,7 @@ def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name:
         outcome = launch_plan(
             body, plan, cell_filename=code.filename, port=port, max_bytes=max_bytes, receive=receive_payload
         )
-        interrupts = Interrupts.hold()  # each name is applied in full or left as it was
+        interrupts = Interrupts.hold()  # from the launch's end: each name is applied in full or left as it was
     except (LaunchError, LaunchInterrupted) as err:  # a launch that ran and ended badly is an outcome too
         if err.outcome is not None:
             ns[result_name] = err.outcome
@@ -308,7 +314,7 @@ def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name:
     finally:
         del body, notebook
     try:
-        bring_back(outcome, ns, stop=interrupts.stop)
+        bring_back(outcome, ns)
         ns[result_name] = outcome
     finally:
         interrupts.release()
