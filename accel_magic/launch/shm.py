@@ -4,13 +4,15 @@ other collective).
 
 The segment is one file that the ranks map: a header page with each rank's pid, then one region per gradient
 bucket, made when the bucket is first seen (all ranks agree on its place with one gloo all-reduce, once). A region
-is a page of flags, one per rank, then each rank's copy of the bucket. A rank copies each bucket divided by the
-world size into its copy as DDP hands it over and raises its flag; after the step's last bucket it waits for the
-others' flags and sums the copies in rank order, so every rank gets the same bits (and, for two ranks, the bits
-gloo gives). A waiting rank spins briefly, then
-sleeps with backoff (ranks may outnumber cores), watches its peers' processes, and gives up after the
-collective timeout with an error the rank's classifier files as collateral or as a timeout. The kernel removes
-the segment with the launch's folder (Workdir.remove), whatever happened to the ranks.
+is a page of flags, one per rank, the bucket's average, then each rank's copy of the bucket. A rank copies each
+bucket divided by the world size into its copy as DDP hands it over and raises its flag. After the step's last
+bucket it waits for the others' flags and sums the copies in rank order, so every rank gets the same bits (and, for
+two ranks, the bits gloo gives): a bucket of a MiB or more in parts, each rank its own part of the average, which
+every rank then reads once the others raised their flags again; a smaller one whole, by each rank, one wait fewer.
+A waiting rank spins, a millisecond when every rank has CPUs of its own and briefly when ranks outnumber them,
+then sleeps with backoff, watches its peers' processes, and gives up after the collective timeout with an error
+the rank's classifier files as collateral or as a timeout. The kernel removes the segment with the launch's
+folder (Workdir.remove), whatever happened to the ranks.
 
 Private API of torch, used here only:
 - `DistributedDataParallel._get_ddp_logging_data()` (torch 1.9 and later) and its "comm_hook" key, which
@@ -31,7 +33,10 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+from ..runtime import cpu_budget
 
 __all__ = ["ENV", "PEER_ENDED", "Segment", "Region", "install", "watch", "has_comm_hook", "alive"]
 
@@ -40,7 +45,9 @@ ENV = "ACCEL_MAGIC_ALLREDUCE"  # "shm" in a rank's environment: average gradient
 PEER_ENDED = "ended while this rank waited for its gradients"
 PAGE = mmap.PAGESIZE
 LINE = 16  # int32 flags between two ranks' flags: a cache line each, so a rank's writes never touch another's
-SPIN = 50e-6  # seconds a waiting rank checks the flags without pause before it sleeps (ranks may outnumber cores)
+SPIN = 50e-6  # seconds a waiting rank checks the flags without pause before it sleeps, when ranks outnumber CPUs
+SPIN_OWN_CPUS = 0.001  # the same when every rank has CPUs of its own: a flag is seen at once, no CPU is taken
+SPLIT = 1 << 20  # bytes: a bucket this large or larger is summed in parts, each rank its own
 LONGEST_SLEEP = 0.0002  # seconds: the backoff's cap, the most a rank can oversleep a peer's flag
 TIMER_SLACK_NS = 1000  # a rank's sleeps end within a microsecond of their time, not Linux's default 50
 PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
@@ -62,29 +69,36 @@ def alive(pid: int) -> bool:
 
 
 class Region:
-    """One bucket's place in the segment: a flag per rank, then a copy of the bucket per rank."""
+    """One bucket's place in the segment: a flag per rank, the average, then a copy of the bucket per rank."""
 
     def __init__(self, fd: int, offset: int, world: int, nbytes: int, dtype: Any) -> None:
         import torch
 
-        head = _round_up(world * LINE * 4, PAGE)
-        self.stride = _round_up(nbytes, 64)
-        self.map = mmap.mmap(fd, head + world * self.stride, offset=offset)
+        head, stride = _round_up(world * LINE * 4, PAGE), _round_up(nbytes, PAGE)
+        self.map = mmap.mmap(fd, head + (world + 1) * stride, offset=offset)
         self.flags = memoryview(self.map)[:head].cast("i")
+        # The average is a tensor of its own, at the start of its own map: DDP takes views of a hook's result at
+        # offsets counted from the start of the result's storage.
+        self.average_map = mmap.mmap(fd, stride, offset=offset + head)
+        self.average = torch.frombuffer(self.average_map, dtype=torch.uint8)[:nbytes].view(dtype)
         raw = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.copies = [raw[head + r * self.stride : head + r * self.stride + nbytes].view(dtype) for r in range(world)]
+        self.copies = [raw[head + (r + 1) * stride :][:nbytes].view(dtype) for r in range(world)]
+        numel = self.average.numel()
+        bounds = [min(numel, _round_up(numel * r // world, 16)) for r in range(world)] + [numel]
+        self.parts = [slice(bounds[r], bounds[r + 1]) for r in range(world)]  # which part of the sum each rank makes
+        self.split = nbytes >= SPLIT
         self.step = 0
 
     @staticmethod
     def size(world: int, nbytes: int) -> int:
-        return _round_up(_round_up(world * LINE * 4, PAGE) + world * _round_up(nbytes, 64), PAGE)
+        return _round_up(world * LINE * 4, PAGE) + (world + 1) * _round_up(nbytes, PAGE)
 
 
 class Segment:
     """This rank's view of the launch's segment, and the waiting on the other ranks' flags."""
 
-    def __init__(self, path: str, rank: int, world: int, timeout: float) -> None:
-        self.rank, self.world, self.timeout = rank, world, timeout
+    def __init__(self, path: str, rank: int, world: int, timeout: float, spin: float = SPIN) -> None:
+        self.rank, self.world, self.timeout, self.spin = rank, world, timeout, spin
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         header = _round_up(world * 8, PAGE)
         os.posix_fallocate(self.fd, 0, header)
@@ -123,36 +137,52 @@ class Segment:
 
     def average(self, region: Region, buffer: Any) -> None:
         """Replace `buffer` (this rank's bucket) with the average of every rank's, in place."""
-        self.collect(region, buffer, self.post(region, buffer))
+        step = self.post(region, buffer)
+        self.reduce(region, buffer, step)
+        average = self.collect(region, buffer, step)
+        if average is not buffer:
+            buffer.copy_(average)
 
     def post(self, region: Region, buffer: Any) -> int:
         """Put this rank's share of `buffer` (divided by the world size) in its copy and raise its flag; the step,
-        for `collect`."""
+        for `reduce` and `collect`."""
         import torch
 
         step, flags = region.step, region.flags
         region.step += 1
-        self.wait(flags, 2 * step)  # every rank has read the last step's copies: this rank's may be overwritten
+        self.wait(flags, 2 * step)  # every rank has summed the last step's copies: this rank's may be overwritten
         torch.div(buffer, self.world, out=region.copies[self.rank])
         flags[self.rank * LINE] = 2 * step + 1
         return step
 
-    def collect(self, region: Region, buffer: Any, step: int) -> None:
-        """Once every rank has posted `step`: the sum of the copies, in rank order, into `buffer`."""
+    def reduce(self, region: Region, buffer: Any, step: int) -> None:
+        """Once every rank has posted `step`: the sum of the copies in rank order, this rank's part of it into the
+        region's average (a bucket in parts), or the whole into `buffer`."""
         import torch
 
         self.wait(region.flags, 2 * step + 1)
-        copies = region.copies
-        torch.add(copies[0], copies[1], out=buffer)
+        part = region.parts[self.rank] if region.split else slice(None)
+        out = region.average[part] if region.split else buffer
+        copies = [copy[part] for copy in region.copies]
+        torch.add(copies[0], copies[1], out=out)
         for copy in copies[2:]:
-            buffer.add_(copy)
+            out.add_(copy)
         region.flags[self.rank * LINE] = 2 * step + 2
+
+    def collect(self, region: Region, buffer: Any, step: int) -> Any:
+        """The average of `step`: `buffer`, or for a bucket in parts, once every rank has made its part, the
+        region's average, whose bits stay until this rank posts the region again (the others write the next one
+        only after every rank posted it)."""
+        if not region.split:
+            return buffer
+        self.wait(region.flags, 2 * step + 2)
+        return region.average
 
     def wait(self, flags: memoryview, target: int) -> None:
         """Until every other rank's flag reaches `target`; a peer that ended, a kernel that went away, or the
         collective timeout raise a RuntimeError instead."""
         lines = [r * LINE for r in self.others]
-        spin = time.perf_counter() + SPIN
+        spin = time.perf_counter() + self.spin
         while not all(flags[i] >= target for i in lines):
             if time.perf_counter() > spin:
                 break
@@ -218,12 +248,13 @@ class Averager:
         return shared_memory_average
 
     def collect(self) -> None:
-        """Sum every bucket posted this step: the ranks wait for each other once a step, not once a bucket, and
-        a rank that is ahead goes on computing its gradients meanwhile."""
+        """Average every bucket posted this step: the ranks wait for each other at most twice a step, not for
+        every bucket, and a rank that is ahead goes on computing its gradients meanwhile."""
         pending, self.pending = self.pending, []
+        for region, buffer, step, _ in pending:
+            self.segment.reduce(region, buffer, step)
         for region, buffer, step, future in pending:
-            self.segment.collect(region, buffer, step)
-            future.set_result(buffer)
+            future.set_result(self.segment.collect(region, buffer, step))  # DDP copies it into the gradients
 
 
 def has_comm_hook(model: Any) -> bool:
@@ -260,10 +291,14 @@ def watch(model: Any, segment: Segment) -> None:
 def install(path: str, timeout: float) -> None:
     """In a rank, once its process group is up: every DistributedDataParallel model built from now on averages its
     gradients through the segment at `path`, waiting at most `timeout` seconds for the other ranks."""
+    import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    segment = Segment(path, dist.get_rank(), dist.get_world_size(), timeout)
+    world = dist.get_world_size()
+    cpus = cpu_budget(os.environ, Path("/"), len(os.sched_getaffinity(0)))
+    spin = SPIN_OWN_CPUS if world * torch.get_num_threads() <= cpus else SPIN
+    segment = Segment(path, dist.get_rank(), world, timeout, spin)
     with contextlib.suppress(Exception):  # short sleeps while waiting, without oversleeping a peer's flag
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)
     original = DistributedDataParallel.__init__

@@ -50,49 +50,73 @@ def ranks(n: int, folder: Path, body: Callable[[int, str], Any], timeout: float 
     return [pickle.loads(f.read_bytes()) if f.exists() else None for f in files]  # None: the rank was killed
 
 
-def bucket(r: int, numel: int = 10_001) -> Any:
+def bucket(r: int, numel: int) -> Any:
     import torch
 
     return torch.randn(numel, generator=torch.Generator().manual_seed(r)) * 3.0 ** (r % 5 - 2)
 
 
-def average_both_ways(r: int, path: str) -> tuple[Any, Any]:
+SMALL, LARGE = 10_001, shm.SPLIT // 4 + 1_001  # float32 elements: a bucket summed whole, and one summed in parts
+
+
+def average_both_ways(r: int, path: str, numel: int) -> tuple[Any, Any]:
     """Three steps through the segment (the same region reused), and gloo's average of the same buckets."""
     import torch
     import torch.distributed as dist
 
     segment = shm.Segment(path, r, dist.get_world_size(), timeout=30)
-    region = segment.region(10_001 * 4, torch.float32)
-    assert region is not None
+    region = segment.region(numel * 4, torch.float32)
+    assert region is not None and region.split == (numel == LARGE)
     ours = []
     for step in range(3):
-        mine = bucket(r + 10 * step)
+        mine = bucket(r + 10 * step, numel)
         segment.average(region, mine)
         ours.append(mine)
     theirs = []
     for step in range(3):
-        mine = bucket(r + 10 * step).div_(dist.get_world_size())  # what DDP does without a hook
+        mine = bucket(r + 10 * step, numel).div_(dist.get_world_size())  # what DDP does without a hook
         dist.all_reduce(mine)
         theirs.append(mine)
     return torch.stack(ours), torch.stack(theirs)
 
 
-def test_two_ranks_average_to_the_very_bits_gloo_gives(tmp_path: Path) -> None:
+@pytest.mark.parametrize("numel", [SMALL, LARGE], ids=["whole", "in-parts"])
+def test_two_ranks_average_to_the_very_bits_gloo_gives(tmp_path: Path, numel: int) -> None:
     import torch
 
-    (ours0, gloo0), (ours1, gloo1) = ranks(2, tmp_path, average_both_ways)
+    (ours0, gloo0), (ours1, gloo1) = ranks(2, tmp_path, lambda r, path: average_both_ways(r, path, numel))
     assert torch.equal(ours0, ours1) and torch.equal(ours0, gloo0) and torch.equal(gloo0, gloo1)
-    expected = torch.stack([bucket(10 * s) / 2 + bucket(1 + 10 * s) / 2 for s in range(3)])
+    expected = torch.stack([bucket(10 * s, numel) / 2 + bucket(1 + 10 * s, numel) / 2 for s in range(3)])
     assert torch.equal(ours0, expected)
 
 
-def test_three_ranks_agree_bit_for_bit_and_with_gloo_up_to_the_order_of_the_sums(tmp_path: Path) -> None:
+@pytest.mark.parametrize("numel", [SMALL, LARGE], ids=["whole", "in-parts"])
+def test_three_ranks_agree_bit_for_bit_and_with_gloo_up_to_the_order_of_the_sums(tmp_path: Path, numel: int) -> None:
     import torch
 
-    results = ranks(3, tmp_path, average_both_ways)
+    results = ranks(3, tmp_path, lambda r, path: average_both_ways(r, path, numel))
     ours = [o for o, _ in results]
     assert all(torch.equal(ours[0], o) for o in ours[1:])
     torch.testing.assert_close(ours[0], results[0][1], rtol=1e-6, atol=1e-6)
+
+
+def test_the_parts_of_a_large_bucket_cover_it_once_in_cache_lines() -> None:
+    import torch
+
+    for world in (2, 3, 4, 7):
+        for numel in (shm.SPLIT // 4, shm.SPLIT // 4 + 1, shm.SPLIT // 4 + 15, shm.SPLIT // 4 * 3 + 5):
+            fd = os.memfd_create("parts")
+            try:
+                size = shm.Region.size(world, numel * 4)
+                os.ftruncate(fd, size)
+                region = shm.Region(fd, 0, world, numel * 4, torch.float32)
+            finally:
+                os.close(fd)
+            covered = torch.zeros(numel, dtype=torch.int32)
+            for part in region.parts:
+                covered[part] += 1
+                assert part.start % 16 == 0  # 64 bytes: two ranks never write one cache line
+            assert torch.equal(covered, torch.ones_like(covered)), (world, numel)
 
 
 def test_a_rank_waiting_for_a_peer_that_died_stops_within_a_second_as_collateral(tmp_path: Path) -> None:
@@ -182,16 +206,16 @@ def test_a_zombie_is_not_alive_and_a_running_process_is() -> None:
     assert not shm.alive(pid)  # reaped: gone
 
 
-def train(r: int, path: str, own_hook: str, cap: float = 25) -> Any:
+def train(r: int, path: str, own_hook: str, cap: float = 25, width: int = 64, **ddp: Any) -> Any:
     """A few DDP steps with shm installed; own_hook: "", "before" or "after" the first forward; buckets of at most
-    `cap` MB."""
+    `cap` MB; `ddp`: more arguments of DistributedDataParallel."""
     import torch
     import torch.distributed as dist
 
     shm.install(path, timeout=30)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Linear(64, 3)), bucket_cap_mb=cap
+        torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 3)), bucket_cap_mb=cap, **ddp
     )
     calls: list[int] = []
 
@@ -233,15 +257,25 @@ def test_a_ddp_model_gets_the_hook_at_its_first_forward_unless_the_cell_register
     assert os.path.getsize(tmp_path / "segment") > shm.PAGE or own_hook == "before"
 
 
-def test_a_model_in_many_small_buckets_trains_to_the_bits_of_gloos_average(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"cap": 0.0001},  # a bucket per parameter: posted one by one, averaged after the last
+        {"width": 30_000},  # 1.4 MB in one bucket: summed in parts
+        {"width": 30_000, "gradient_as_bucket_view": True},  # the gradients are views of DDP's bucket
+    ],
+    ids=["many-small-buckets", "one-bucket-in-parts", "gradients-as-bucket-views"],
+)
+def test_a_model_trains_to_the_bits_of_gloos_average(tmp_path: Path, shape: dict[str, Any]) -> None:
     import torch
 
     def body(r: int, path: str) -> Any:
-        ours = train(r, path, "", cap=0.0001)  # a bucket per parameter: posted one by one, summed after the last
-        theirs = train(r, path, "before", cap=0.0001)  # the cell's own hook: gloo's all-reduce of buffer / 2
+        ours = train(r, path, "", **shape)
+        theirs = train(r, path, "before", **shape)  # the cell's own hook: gloo's all-reduce of buffer / 2
         return ours, theirs
 
     (ours0, theirs0), (ours1, _) = ranks(2, tmp_path, body)
-    assert ours0[1] == "Averager.hook.<locals>.shared_memory_average" and theirs0[2] > 4  # buckets a step: several
+    assert ours0[1] == "Averager.hook.<locals>.shared_memory_average"
+    assert theirs0[2] > 4 or "cap" not in shape  # many small buckets: several a step
     assert all(torch.equal(a, b) for a, b in zip(ours0[0], ours1[0], strict=True))
     assert all(torch.equal(a, b) for a, b in zip(ours0[0], theirs0[0], strict=True))
