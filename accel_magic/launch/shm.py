@@ -38,7 +38,7 @@ from typing import Any
 
 from ..runtime import cpu_budget
 
-__all__ = ["ENV", "PEER_ENDED", "Segment", "Region", "install", "watch", "has_comm_hook", "alive"]
+__all__ = ["ENV", "PEER_ENDED", "Segment", "Region", "install", "watch", "has_comm_hook", "alive", "spin"]
 
 ENV = "ACCEL_MAGIC_ALLREDUCE"  # "shm" in a rank's environment: average gradients in the launch's segment
 # Words of the error a rank raises when a peer ended while it waited: the rank's classifier files it as collateral.
@@ -182,9 +182,9 @@ class Segment:
         """Until every other rank's flag reaches `target`; a peer that ended, a kernel that went away, or the
         collective timeout raise a RuntimeError instead."""
         lines = [r * LINE for r in self.others]
-        spin = time.perf_counter() + self.spin
+        until = time.perf_counter() + self.spin
         while not all(flags[i] >= target for i in lines):
-            if time.perf_counter() > spin:
+            if time.perf_counter() > until:
                 break
         else:
             return
@@ -257,6 +257,12 @@ class Averager:
             future.set_result(self.segment.collect(region, buffer, step))  # DDP copies it into the gradients
 
 
+def spin(world: int, threads: int, cpus: int) -> float:
+    """How long a waiting rank spins before it sleeps: long enough to see a flag at once when every rank's
+    threads have CPUs of their own, briefly when a spinning rank would take a CPU from one that computes."""
+    return SPIN_OWN_CPUS if world * threads <= cpus else SPIN
+
+
 def has_comm_hook(model: Any) -> bool:
     """Whether a DDP model has a communication hook (registered by the cell, by accelerate, or ours)."""
     return bool(model._get_ddp_logging_data().get("comm_hook"))
@@ -297,8 +303,7 @@ def install(path: str, timeout: float) -> None:
 
     world = dist.get_world_size()
     cpus = cpu_budget(os.environ, Path("/"), len(os.sched_getaffinity(0)))
-    spin = SPIN_OWN_CPUS if world * torch.get_num_threads() <= cpus else SPIN
-    segment = Segment(path, dist.get_rank(), world, timeout, spin)
+    segment = Segment(path, dist.get_rank(), world, timeout, spin(world, torch.get_num_threads(), cpus))
     with contextlib.suppress(Exception):  # short sleeps while waiting, without oversleeping a peer's flag
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)
     original = DistributedDataParallel.__init__

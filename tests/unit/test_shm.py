@@ -191,6 +191,13 @@ def test_a_region_one_rank_cannot_make_room_for_is_none_in_every_rank_and_rank_0
     assert told1 == ""
 
 
+def test_a_waiting_rank_spins_long_only_when_every_rank_has_cpus_of_its_own() -> None:
+    assert shm.spin(world=2, threads=1, cpus=2) == shm.SPIN_OWN_CPUS
+    assert shm.spin(world=2, threads=2, cpus=8) == shm.SPIN_OWN_CPUS
+    assert shm.spin(world=4, threads=1, cpus=2) == shm.SPIN < shm.SPIN_OWN_CPUS  # -n 4 on 2 cores: sleep soon
+    assert shm.spin(world=2, threads=2, cpus=2) == shm.SPIN  # OMP_NUM_THREADS=2 of the user's
+
+
 def test_a_zombie_is_not_alive_and_a_running_process_is() -> None:
     pid = os.fork()
     if pid == 0:
