@@ -19,6 +19,11 @@ Private API of torch, used here only:
   register_comm_hook and the builtin hooks set: whether a model already has a communication hook when its first
   forward starts, since DDP takes one hook per model. Fallback: none; a test fails when it moves.
 
+Relied on, not an API: DDP reads a hook's result through views made at offsets from the start of the result's
+storage (reducer.cpp, populate_bucket_views_out; torch 2.9 to 2.13, the stacks tested), so a bucket's average in
+the segment is a tensor of its own map. A test that trains a model whose bucket is summed in parts fails when that
+moves.
+
 Patched, not private: `DistributedDataParallel.__init__` (torch 1.x and later) is wrapped in a rank, to watch
 each model built there, and the instance's `register_comm_hook`, so that a hook the cell registers after the
 first forward replaces ours instead of failing.
