@@ -3,12 +3,19 @@ failure (or interrupt) on any node, so every node stops its ranks at its next lo
 seconds), even ranks that are not in a collective. On one node there is nothing to tell.
 
 Every call here is made once the rendezvous is done and while node 0 serves the store (node 0 waits for the
-others to finish with it): a store call that fails makes torch log a long C++ warning into the cell."""
+others to finish with it): a store call that fails makes torch log a long C++ warning into the cell.
+
+The first rank's hello starts these calls while the agent may still be forking the next ranks. A rank forked in
+the middle of a store call can inherit a lock that the call holds in torch's C++ code and wait on it for ever
+(seen: node 0's second rank stuck in `init_process_group`, and every other rank waiting for it in gloo's
+connect). So each store call holds `_STORE_CALL`, and a fork waits for it (`os.register_at_fork`)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -19,6 +26,11 @@ __all__ = ["Peers", "reach_node0"]
 
 POLL = 0.2  # seconds between two looks at the store
 LINGER = 5.0  # seconds node 0 serves the store, at most, after its own launch ended
+
+_STORE_CALL = threading.Lock()  # held by each store call here; every fork in the kernel waits for it
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_STORE_CALL.acquire, after_in_parent=_STORE_CALL.release,
+                        after_in_child=_STORE_CALL.release)  # fmt: skip
 
 
 def reach_node0(nodes: Nodes, port: int) -> bool:
@@ -59,7 +71,9 @@ class Peers:
         from torch.distributed import TCPStore
 
         try:  # not counted among the rendezvous' workers
-            self.store = TCPStore(self.nodes.host, self.port, None, False, timedelta(seconds=5), wait_for_workers=False)
+            with _STORE_CALL:
+                self.store = TCPStore(self.nodes.host, self.port, None, False, timedelta(seconds=5),
+                                      wait_for_workers=False)  # fmt: skip
         except Exception:
             self.failure = "node 0's rendezvous store did not answer"
 
@@ -69,8 +83,9 @@ class Peers:
             return
         self._next = time.monotonic() + POLL
         try:
-            if self.store.check([self.key]):
-                self.failure = self.store.get(self.key).decode(errors="replace")
+            with _STORE_CALL:
+                if self.store.check([self.key]):
+                    self.failure = self.store.get(self.key).decode(errors="replace")
         except Exception:  # node 0's store went away while this node still trains: node 0's launch ended
             self.failure = "node 0's launch ended"
             self.store = None
@@ -79,7 +94,7 @@ class Peers:
         """Report this node's failure to the others (the first report of the launch stays)."""
         self.told = True
         if self.store is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), _STORE_CALL:
                 self.store.compare_set(self.key, "", what)
 
     def close(self) -> None:
@@ -89,8 +104,12 @@ class Peers:
             return
         with contextlib.suppress(Exception):
             if self.nodes.rank != 0:
-                store.add(self.done_key, 1)
+                with _STORE_CALL:
+                    store.add(self.done_key, 1)
                 return
             deadline = time.monotonic() + LINGER
-            while store.add(self.done_key, 0) < self.nodes.count - 1 and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                with _STORE_CALL:
+                    if store.add(self.done_key, 0) >= self.nodes.count - 1:
+                        return
                 time.sleep(POLL / 4)

@@ -247,3 +247,48 @@ def test_stop_kills_a_process_that_ignores_sigterm_at_once_when_hurried() -> Non
     stop([proc], grace=30, hurry=hurry)
     assert time.monotonic() - started < 10  # not the 30 s grace
     assert proc.returncode == -9 and not psutil.pid_exists(child.pid)  # killed, and reaped
+
+
+def test_a_fork_waits_for_a_store_call_of_the_kernel_in_flight() -> None:
+    """Across machines the kernel talks to the others' store while its agent still forks ranks; a rank forked in
+    the middle of a store call would inherit the C++ locks the call holds. Node 0's store is a real TCP store in a
+    process of its own, stopped for a second so that a `poll` is in flight when this process forks."""
+    import signal
+    import threading
+    import time
+
+    from accel_magic.launch.elastic import Nodes
+    from accel_magic.launch.peers import Peers
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom datetime import timedelta\nfrom torch.distributed import TCPStore\n"
+        f"s = TCPStore('127.0.0.1', {port}, None, True, timedelta(seconds=30), wait_for_workers=False)\n"
+        "print('up', flush=True)\ntime.sleep(60)"
+    )], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert server.stdout.readline().strip() == "up"
+        peers = Peers(Nodes(count=2, rank=1), port, "fork-test")
+        peers.join()
+        assert peers.store is not None and not peers.failure
+        os.kill(server.pid, signal.SIGSTOP)
+        polled = threading.Thread(target=peers.poll)
+        started = time.monotonic()
+        polled.start()
+        threading.Timer(1.0, os.kill, (server.pid, signal.SIGCONT)).start()
+        time.sleep(0.3)  # the poll now waits for the stopped store
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        forked = time.monotonic() - started
+        os.waitpid(pid, 0)
+        polled.join(10)
+        assert not polled.is_alive() and not peers.failure
+        assert forked >= 1.0, f"the fork went ahead {forked:.2f} s in, while the store call was in flight"
+        peers.close()
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
+        server.wait()
