@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -249,46 +250,77 @@ def test_stop_kills_a_process_that_ignores_sigterm_at_once_when_hurried() -> Non
     assert proc.returncode == -9 and not psutil.pid_exists(child.pid)  # killed, and reaped
 
 
+class _Relay:
+    """A TCP relay in front of node 0's store that can hold back what the node sends, for as long as a test likes:
+    the node's store call then stays in flight, whatever the machine's load."""
+
+    def __init__(self, port: int) -> None:
+        import threading
+
+        self.port_behind = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.holding, self.arrived, self.released = threading.Event(), threading.Event(), threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                node, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            store = socket.create_connection(("127.0.0.1", self.port_behind))
+            threading.Thread(target=self._pipe, args=(node, store, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(store, node, False), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, from_node: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if from_node and self.holding.is_set():
+                    self.arrived.set()
+                    self.released.wait(30)
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+
 def test_a_fork_waits_for_a_store_call_of_the_kernel_in_flight() -> None:
     """Across machines the kernel talks to the others' store while its agent still forks ranks; a rank forked in
-    the middle of a store call would inherit the C++ locks the call holds. Node 0's store is a real TCP store in a
-    process of its own, stopped for a second so that a `poll` is in flight when this process forks."""
-    import signal
+    the middle of a store call would inherit the C++ locks the call holds. Node 0's store is a real TCP store; a
+    relay in front of it holds back a `poll`'s request for a second, and this process forks while it waits."""
     import threading
     import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
 
     from accel_magic.launch.elastic import Nodes
     from accel_magic.launch.peers import Peers
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\nfrom datetime import timedelta\nfrom torch.distributed import TCPStore\n"
-        f"s = TCPStore('127.0.0.1', {port}, None, True, timedelta(seconds=30), wait_for_workers=False)\n"
-        "print('up', flush=True)\ntime.sleep(60)"
-    )], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    served = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    relay = _Relay(served.port)
     try:
-        assert server.stdout.readline().strip() == "up"
-        peers = Peers(Nodes(count=2, rank=1), port, "fork-test")
+        peers = Peers(Nodes(count=2, rank=1), relay.port, "fork-test")
         peers.join()
         assert peers.store is not None and not peers.failure
-        os.kill(server.pid, signal.SIGSTOP)
+        relay.holding.set()
         polled = threading.Thread(target=peers.poll)
-        started = time.monotonic()
         polled.start()
-        threading.Timer(1.0, os.kill, (server.pid, signal.SIGCONT)).start()
-        time.sleep(0.3)  # the poll now waits for the stopped store
+        assert relay.arrived.wait(30), "the poll never reached node 0's store"
+        in_flight = time.monotonic()
+        threading.Timer(1.0, relay.released.set).start()
         pid = os.fork()
         if pid == 0:
             os._exit(0)
-        forked = time.monotonic() - started
+        forked = time.monotonic() - in_flight
         os.waitpid(pid, 0)
-        polled.join(10)
+        polled.join(30)
         assert not polled.is_alive() and not peers.failure
         assert forked >= 1.0, f"the fork went ahead {forked:.2f} s in, while the store call was in flight"
+        relay.holding.clear()
         peers.close()
     finally:
-        os.kill(server.pid, signal.SIGCONT)
-        server.kill()
-        server.wait()
+        relay.released.set()
+        relay.listener.close()
