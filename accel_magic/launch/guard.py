@@ -1,6 +1,6 @@
 """The kernel kept as it was around a launch (environment, signal handlers, loggers, leftover processes; its
 interrupts held while a launch runs), and the checks made before one: a free loopback port, and a fork that CUDA
-has not poisoned.
+has not poisoned. Every fork in the kernel waits until no thread holds its output streams' buffers.
 
 Private API of torch, used here only:
 - `torch.cuda._is_in_bad_fork()` (torch 1.x and later): asked in a throw-away forked child, the only place where
@@ -199,6 +199,30 @@ def listener(port: int | None, host: str = "127.0.0.1") -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+_STREAMS_HELD: list[Any] = []
+
+
+def _hold_streams() -> None:
+    """Before a fork: take the buffer lock of the kernel's output streams (ipykernel's, `_buffer_lock`). Its
+    IOPub thread and the thread that reads the process's own stdout and stderr take it for each write and flush; a
+    child forked while one of them held it would stop for ever at its first print (accelerate's own launcher,
+    DataLoader workers, multiprocessing)."""
+    _STREAMS_HELD[:] = [lock for stream in (sys.stdout, sys.stderr) if (lock := getattr(stream, "_buffer_lock", None))]
+    for lock in _STREAMS_HELD:
+        lock.acquire()
+
+
+def _release_streams() -> None:
+    """After a fork, in the parent and in the child."""
+    for lock in reversed(_STREAMS_HELD):
+        lock.release()
+    _STREAMS_HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_hold_streams, after_in_parent=_release_streams, after_in_child=_release_streams)
 
 
 def cuda_fork_blocker() -> str | None:

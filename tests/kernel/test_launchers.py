@@ -281,3 +281,33 @@ def test_interrupting_the_drop_in_as_it_starts_ends_in_one_line_and_leaves_nothi
         assert live_kernel.text("print(psutil.Process().children(recursive=True))").strip() == "[]"
         seen.append(error["evalue"])
     assert seen[0] == "the launch was stopped before its ranks started", seen
+
+
+FORK_WHILE_A_THREAD_WRITES = """
+import os, sys, threading, time
+held = threading.Event()
+
+def flushing():  # as the kernel's IOPub thread holds it while it flushes, or its reader of the process's stdout
+    with sys.stdout._buffer_lock:
+        held.set()
+        time.sleep(1.0)
+
+threading.Thread(target=flushing).start()
+held.wait()
+pid = os.fork()  # as accelerate's own launcher, a DataLoader worker or multiprocessing forks
+if pid == 0:
+    print("the child prints")
+    os._exit(0)
+deadline = time.monotonic() + 20
+while not (ended := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+    time.sleep(0.05)
+if not ended[0]:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+print("the child ended" if ended[0] else "the child hung at its first print")
+"""
+
+
+def test_a_fork_while_a_kernel_thread_writes_to_the_output_gives_a_child_that_can_print(kernel_run) -> None:
+    cells = kernel_run(SETUP, FORK_WHILE_A_THREAD_WRITES)
+    assert "the child ended" in cells.text(1), cells.text(1)
