@@ -5,6 +5,10 @@ has not poisoned. Every fork in the kernel waits until no thread holds its outpu
 Private API of torch, used here only:
 - `torch.cuda._is_in_bad_fork()` (torch 1.x and later): asked in a throw-away forked child, the only place where
   a poisoned fork shows. Fallback: a torch without it (a CPU build) cannot poison fork, and the check says so.
+
+Private API of ipykernel, used here only:
+- `OutStream._buffer_lock` (ipykernel 6.17 to 7.x, tested): taken around every fork. Fallback: a stream without it
+  is left alone, as a fork finds it.
 """
 
 from __future__ import annotations
