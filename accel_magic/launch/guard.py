@@ -205,28 +205,30 @@ def listener(port: int | None, host: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
-_STREAMS_HELD: list[Any] = []
+FORK_WAITS_FOR: list[Any] = []  # locks of the kernel that every fork waits for (peers' store calls)
+_HELD: list[Any] = []
 
 
-def _hold_streams() -> None:
-    """Before a fork: take the buffer lock of the kernel's output streams (ipykernel's, `_buffer_lock`). Its
-    IOPub thread and the thread that reads the process's own stdout and stderr take it for each write and flush; a
-    child forked while one of them held it would stop for ever at its first print (accelerate's own launcher,
-    DataLoader workers, multiprocessing)."""
-    _STREAMS_HELD[:] = [lock for stream in (sys.stdout, sys.stderr) if (lock := getattr(stream, "_buffer_lock", None))]
-    for lock in _STREAMS_HELD:
+def _hold() -> None:
+    """Before a fork: take FORK_WAITS_FOR's locks and the buffer lock of the kernel's output streams (ipykernel's,
+    `_buffer_lock`). Its IOPub thread and the thread that reads the process's own stdout and stderr take that one
+    for each write and flush; a child forked while one of them held it would stop for ever at its first print
+    (accelerate's own launcher, DataLoader workers, multiprocessing)."""
+    streams = [lock for stream in (sys.stdout, sys.stderr) if (lock := getattr(stream, "_buffer_lock", None))]
+    _HELD[:] = [*FORK_WAITS_FOR, *streams]
+    for lock in _HELD:
         lock.acquire()
 
 
-def _release_streams() -> None:
+def _release() -> None:
     """After a fork, in the parent and in the child."""
-    for lock in reversed(_STREAMS_HELD):
+    for lock in reversed(_HELD):
         lock.release()
-    _STREAMS_HELD.clear()
+    _HELD.clear()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_hold_streams, after_in_parent=_release_streams, after_in_child=_release_streams)
+    os.register_at_fork(before=_hold, after_in_parent=_release, after_in_child=_release)
 
 
 def cuda_fork_blocker() -> str | None:

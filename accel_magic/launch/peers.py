@@ -8,18 +8,18 @@ others to finish with it): a store call that fails makes torch log a long C++ wa
 The first rank's hello starts these calls while the agent may still be forking the next ranks. A rank forked in
 the middle of a store call can inherit a lock that the call holds in torch's C++ code and wait on it for ever
 (seen: node 0's second rank stuck in `init_process_group`, and every other rank waiting for it in gloo's
-connect). So each store call holds `_STORE_CALL`, and a fork waits for it (`os.register_at_fork`)."""
+connect). So each store call holds `_STORE_CALL`, and every fork waits for it (`guard.FORK_WAITS_FOR`)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import threading
 import time
 from datetime import timedelta
 from typing import Any
 
+from . import guard
 from .elastic import Nodes
 
 __all__ = ["Peers", "reach_node0"]
@@ -28,9 +28,7 @@ POLL = 0.2  # seconds between two looks at the store
 LINGER = 5.0  # seconds node 0 serves the store, at most, after its own launch ended
 
 _STORE_CALL = threading.Lock()  # held by each store call here; every fork in the kernel waits for it
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_STORE_CALL.acquire, after_in_parent=_STORE_CALL.release,
-                        after_in_child=_STORE_CALL.release)  # fmt: skip
+guard.FORK_WAITS_FOR.append(_STORE_CALL)
 
 
 def reach_node0(nodes: Nodes, port: int) -> bool:
