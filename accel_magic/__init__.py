@@ -22,8 +22,8 @@ _hint_shown_by: Any = None  # the shell whose ValueErrors _show_with_hint displa
 def _show_with_hint(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> None:
     """Show a ValueError as IPython would; accelerate's refusal to launch becomes one sentence saying what to
     do."""
-    from .accelerator import launcher_refusal_hint
     from .launch.outcome import error_line
+    from .launcher import launcher_refusal_hint
 
     hint = launcher_refusal_hint(value)
     if hint is not None:
@@ -62,9 +62,9 @@ def unload_ipython_extension(ipython: Any) -> None:
     if _hint_shown_by is ipython and ipython.custom_exceptions == (ValueError,):
         ipython.set_custom_exc((), None)  # IPython's default
     _hint_shown_by = None
-    accelerator = sys.modules.get(f"{__name__}.accelerator")
-    if accelerator is not None:
-        accelerator.restore_accelerate_launcher()
+    launcher = sys.modules.get(f"{__name__}.launcher")
+    if launcher is not None:
+        launcher.restore_accelerate_launcher()
     elastic = sys.modules.get(f"{__name__}.launch.elastic")
     if elastic is not None:
         elastic.shutdown_agent_thread()

@@ -7,16 +7,11 @@ Private APIs of accelerate, used here only:
   fix the settings of every later one. Fallback: none; a test fails on every stack when they move.
 - `accelerate.utils.imports._torch_xla_available` (accelerate 0.2x and later): whether an already imported
   accelerate has chosen XLA. Fallback: read with getattr, so a missing name means "not chosen".
-
-Patched, not private: `accelerate.notebook_launcher` (and `accelerate.launchers.notebook_launcher`, the same
-function) is wrapped from the first %accel_setup until %unload_ext, so that imports of it in between get a
-launcher the notebook's own Accelerator never blocks; `restore_accelerate_launcher` puts the original back.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import ipaddress
 import os
 import sys
@@ -32,9 +27,7 @@ __all__ = [
     "prepare_environment",
     "reset_state",
     "state_set_aside",
-    "guard_accelerate_launcher",
-    "restore_accelerate_launcher",
-    "launcher_refusal_hint",
+    "rank_state",
 ]
 
 STALE_FLAGS = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")
@@ -102,71 +95,14 @@ def state_set_aside() -> Iterator[None]:
             cls._shared_state.update(state)
 
 
-_guard_plan: Plan | None = None  # the plan %accel_setup made last, which the wrapped launcher follows
+def rank_state(plan: Plan) -> Any:
+    """In a launched rank, before its code runs: accelerate's PartialState made from the launch's process group
+    on the plan's device, so that whatever the code builds first (`PartialState()`, `Accelerator()`,
+    `TrainingArguments(...)`) joins that group; on CPU a bare `PartialState()` would otherwise say NO, and every
+    later Accelerator would inherit it."""
+    from accelerate.state import PartialState
 
-
-def guard_accelerate_launcher(plan: Plan) -> None:
-    """Wrap accelerate's notebook_launcher so that, while this extension is loaded, the notebook's Accelerator
-    never blocks it (accelerate refuses to fork when its shared state is populated: the state is set aside
-    for the call), and on a CPU plan the ranks it forks join one gloo group (accelerate 1.13 and later
-    otherwise lets each CPU rank train alone)."""
-    global _guard_plan
-    import accelerate
-    import accelerate.launchers as launchers
-
-    _guard_plan = plan
-    original = launchers.notebook_launcher
-    if getattr(original, "_accel_magic", False):
-        original = original.__wrapped__
-
-    @functools.wraps(original)
-    def notebook_launcher(*args: Any, **kwargs: Any) -> Any:
-        cpu = _guard_plan is not None and _guard_plan.cpu and "ACCELERATE_USE_CPU" not in os.environ
-        with state_set_aside(), _environment({"ACCELERATE_USE_CPU": "true"} if cpu else {}):
-            return original(*args, **kwargs)
-
-    notebook_launcher._accel_magic = True  # type: ignore[attr-defined]
-    launchers.notebook_launcher = accelerate.notebook_launcher = notebook_launcher
-
-
-# accelerate's refusal to fork while its shared state is populated (accelerate 0.x to 1.16).
-LAUNCHER_REFUSAL = "the `Accelerator` should only be initialized inside your training function"
-
-
-def launcher_refusal_hint(err: BaseException) -> str | None:
-    """One sentence for accelerate's refusal to launch that a function imported before %accel_setup can still
-    give (the wrapped launcher never does); None for any other error."""
-    if not isinstance(err, ValueError) or LAUNCHER_REFUSAL not in str(err):
-        return None
-    return (
-        "accelerate's notebook_launcher refuses to launch because an Accelerator was used in this kernel: "
-        "run `from accelerate import notebook_launcher` again after %accel_setup (that one sets the notebook's "
-        "Accelerator aside for the launch), or use `from accel_magic import notebook_launcher`."
-    )
-
-
-def restore_accelerate_launcher() -> None:
-    """Put accelerate's own notebook_launcher back (on %unload_ext)."""
-    global _guard_plan
-    _guard_plan = None
-    launchers = sys.modules.get("accelerate.launchers")
-    wrapper = getattr(launchers, "notebook_launcher", None)
-    if getattr(wrapper, "_accel_magic", False):
-        launchers.notebook_launcher = sys.modules["accelerate"].notebook_launcher = wrapper.__wrapped__  # type: ignore[union-attr]
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    before = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return PartialState(cpu=plan.cpu)
 
 
 def accelerator_kwargs(plan: Plan) -> dict[str, Any]:

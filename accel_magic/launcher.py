@@ -1,16 +1,31 @@
 """`notebook_launcher`: accelerate's function, same signature and meaning, run by accel_magic's launcher
 (one real process group on CPU, threads by the CPU budget, per-rank output, one error naming the rank where a
-failure started, a fresh port) and returning rank 0's return value."""
+failure started, a fresh port) and returning rank 0's return value; and accelerate's own `notebook_launcher`
+run the same way while the extension is loaded.
+
+Patched, not private: `accelerate.notebook_launcher` (and `accelerate.launchers.notebook_launcher`, the same
+function) is wrapped from the first %accel_setup until %unload_ext, so that imports of it in between launch
+through this module (`guard_accelerate_launcher`); `restore_accelerate_launcher` puts the original back.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
+from .plan import Plan
 from .train import OneSentence
 
-__all__ = ["notebook_launcher", "LauncherError"]
+__all__ = [
+    "notebook_launcher",
+    "LauncherError",
+    "guard_accelerate_launcher",
+    "restore_accelerate_launcher",
+    "launcher_refusal_hint",
+]
 
 
 class LauncherError(OneSentence, ValueError):
@@ -28,12 +43,14 @@ RDZV_BACKENDS = ("static", "c10d")  # either way torch's static TCP rendezvous o
 class FunctionBody:
     """What each rank runs: the function with its arguments; rank 0 sends back its return value."""
 
-    def __init__(self, function: Callable[..., Any], args: tuple[Any, ...], max_bytes: int) -> None:
-        self.function, self.args, self.max_bytes = function, args, max_bytes
+    def __init__(self, function: Callable[..., Any], args: tuple[Any, ...], plan: Plan, max_bytes: int) -> None:
+        self.function, self.args, self.plan, self.max_bytes = function, args, plan, max_bytes
         self.value: Any = None
 
     def setup(self, rank: int) -> None:
-        pass  # the function builds its own Accelerator, as under accelerate's launcher
+        from .accelerator import rank_state
+
+        rank_state(self.plan)  # the function builds its own Accelerator, which joins the launch's group
 
     def run(self) -> None:
         self.value = self.function(*self.args)
@@ -134,7 +151,10 @@ def _plan(function: Callable[..., Any], num_processes: Any, mixed_precision: str
     port = _port(use_port)
     nodes = _nodes(num_nodes, node_rank, master_addr, str(use_port), rdzv_backend, rdzv_endpoint, rdzv_conf)
     request = Request(
-        num_processes=_num_processes(num_processes), mixed_precision=str(mixed_precision).lower(), **nodes
+        cpu=_setup_plan is not None and _setup_plan.request.cpu,  # %accel_setup --cpu holds for launches too
+        num_processes=_num_processes(num_processes),
+        mixed_precision=str(mixed_precision).lower(),
+        **nodes,
     )
     try:
         return make_plan(probe(get_ipython()), request), port
@@ -191,7 +211,7 @@ def notebook_launcher(
     max_bytes = 1 << 30
     filename = getattr(getattr(function, "__code__", None), "co_filename", "")
     outcome = launch_plan(
-        FunctionBody(function, tuple(args), max_bytes),
+        FunctionBody(function, tuple(args), plan, max_bytes),
         plan,
         cell_filename=filename,
         source=_source(function, filename),
@@ -214,3 +234,54 @@ def notebook_launcher(
     for skipped in outcome.received.skipped:
         print(f"rank 0's return value could not come back to the notebook ({skipped.reason}); returning None.")
     return next((item.value for item in outcome.received.items), None)
+
+
+_setup_plan: Plan | None = None  # the plan %accel_setup made last; launches keep its --cpu
+
+
+def guard_accelerate_launcher(plan: Plan) -> None:
+    """Route accelerate's notebook_launcher through this module's while the extension is loaded, for the names
+    imported after %accel_setup: its ranks form one group whatever the function builds first, their lines come
+    whole and marked [rank N], each launch takes a fresh port unless the call names one, and the notebook's
+    Accelerator never blocks it. It returns None, as accelerate's does."""
+    global _setup_plan
+    import accelerate
+    import accelerate.launchers as launchers
+
+    _setup_plan = plan
+    original = launchers.notebook_launcher
+    if getattr(original, "_accel_magic", False):
+        original = original.__wrapped__
+
+    @functools.wraps(original)
+    def accelerates_notebook_launcher(*args: Any, **kwargs: Any) -> None:
+        notebook_launcher(*args, **kwargs)
+
+    accelerates_notebook_launcher._accel_magic = True  # type: ignore[attr-defined]
+    launchers.notebook_launcher = accelerate.notebook_launcher = accelerates_notebook_launcher
+
+
+def restore_accelerate_launcher() -> None:
+    """Put accelerate's own notebook_launcher back (on %unload_ext)."""
+    global _setup_plan
+    _setup_plan = None
+    launchers = sys.modules.get("accelerate.launchers")
+    wrapper = getattr(launchers, "notebook_launcher", None)
+    if getattr(wrapper, "_accel_magic", False):
+        launchers.notebook_launcher = sys.modules["accelerate"].notebook_launcher = wrapper.__wrapped__  # type: ignore[union-attr]
+
+
+# accelerate's refusal to fork while its shared state is populated (accelerate 0.x to 1.16).
+LAUNCHER_REFUSAL = "the `Accelerator` should only be initialized inside your training function"
+
+
+def launcher_refusal_hint(err: BaseException) -> str | None:
+    """One sentence for accelerate's refusal to launch that a function imported before %accel_setup can still
+    give (the wrapped launcher never does); None for any other error."""
+    if not isinstance(err, ValueError) or LAUNCHER_REFUSAL not in str(err):
+        return None
+    return (
+        "accelerate's notebook_launcher refuses to launch because an Accelerator was used in this kernel: "
+        "run `from accelerate import notebook_launcher` again after %accel_setup (that one launches through "
+        "accel_magic's launcher), or use `from accel_magic import notebook_launcher`."
+    )

@@ -201,13 +201,8 @@ class AccelMagics(Magics):
         return self.setup_name or self.name
 
     def _setup(self, request: Request, name: str, quiet: bool, runtime: Runtime | None = None) -> Plan:
-        from .accelerator import (
-            SetupError,
-            build_accelerator,
-            guard_accelerate_launcher,
-            prepare_environment,
-            reset_state,
-        )
+        from .accelerator import SetupError, build_accelerator, prepare_environment, reset_state
+        from .launcher import guard_accelerate_launcher
 
         runtime = runtime or probe(self.shell)
         try:
