@@ -12,17 +12,20 @@ Private APIs of accelerate, used here only:
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import ipaddress
 import os
 import sys
-from collections.abc import Iterator, MutableMapping
+import types
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 from .plan import Plan, parse_endpoint
 
 __all__ = [
     "SetupError",
-    "LazyAccelerator",
+    "lazy_accelerator_class",
     "build_accelerator",
     "prepare_environment",
     "reset_state",
@@ -109,36 +112,73 @@ def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
     return {"cpu": plan.cpu, "mixed_precision": plan.mixed_precision}
 
 
-class LazyAccelerator:
-    """The notebook's Accelerator on CPU and on a multi-GPU runtime: built on first use, so until then
-    accelerate's shared state stays empty (which accelerate's own notebook_launcher requires) and the kernel
-    stays CUDA-free (so %%accel_train can still fork GPU ranks)."""
+# Looked up by front ends on whatever they display or inspect: answered by the notebook's accelerator once it is
+# built, and by nothing before (displaying or inspecting it must not build it).
+_PROBED = ("_repr_", "_ipython_", "getdoc")
 
-    def __init__(self, plan: Plan):
-        object.__setattr__(self, "_plan", plan)
-        object.__setattr__(self, "_real", None)
 
-    @property
-    def built(self) -> bool:
-        return self._real is not None
+def _deferred(lazy: Any, name: str, method: types.FunctionType) -> Callable[..., Any]:
+    """`lazy.name`, a method of Accelerator, as a function that builds the accelerator when called."""
 
-    def _build(self) -> Any:
-        if self._real is None:
-            from accelerate import Accelerator
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(lazy._build(), name)(*args, **kwargs)
 
-            object.__setattr__(self, "_real", Accelerator(**accelerator_kwargs(self._plan)))
-        return self._real
+    call.__wrapped__ = types.MethodType(method, lazy)  # type: ignore[attr-defined]  # its signature, without self
+    return call
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._build(), name)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._build(), name, value)
+@functools.cache
+def lazy_accelerator_class() -> type:
+    """`LazyAccelerator`, a subclass of accelerate's `Accelerator` (made when accelerate is imported): the
+    notebook's Accelerator on CPU and on a multi-GPU runtime, built on first use, so until then accelerate's shared
+    state stays empty (which accelerate's own notebook_launcher requires) and the kernel stays CUDA-free (so
+    %%accel_train can still fork GPU ranks). To `isinstance`, `dir`, `help()`, `accelerator?` and completion it is
+    an Accelerator, and none of them builds it."""
+    from accelerate import Accelerator
 
-    def __repr__(self) -> str:
-        if self._real is not None:
-            return repr(self._real)
-        return f"<Accelerator on {self._plan.device}, built on first use>"
+    class LazyAccelerator(Accelerator):
+        __doc__ = Accelerator.__doc__
+
+        def __init__(self, plan: Plan):  # accelerate's __init__ runs in the real one, on first use
+            object.__setattr__(self, "_plan", plan)
+            object.__setattr__(self, "_real", None)
+
+        @property
+        def built(self) -> bool:
+            return object.__getattribute__(self, "_real") is not None
+
+        def _build(self) -> Any:
+            if object.__getattribute__(self, "_real") is None:
+                plan = object.__getattribute__(self, "_plan")
+                object.__setattr__(self, "_real", Accelerator(**accelerator_kwargs(plan)))
+            return object.__getattribute__(self, "_real")
+
+        def __getattribute__(self, name: str) -> Any:
+            if name.startswith("__") or name in ("built", "_build", "_plan", "_real"):
+                return object.__getattribute__(self, name)
+            if not object.__getattribute__(self, "built"):
+                if name.startswith(_PROBED):
+                    raise AttributeError(name)
+                method = inspect.getattr_static(Accelerator, name, None)
+                if isinstance(method, types.FunctionType):  # completion looks methods up: they build when called
+                    return _deferred(self, name, method)
+            return getattr(object.__getattribute__(self, "_build")(), name)
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            setattr(self._build(), name, value)
+
+        def __dir__(self) -> list[str]:
+            real = object.__getattribute__(self, "_real")
+            return sorted(set(dir(Accelerator)) | (set(dir(real)) if real is not None else set()))
+
+        def __repr__(self) -> str:
+            real = object.__getattribute__(self, "_real")
+            if real is not None:
+                return repr(real)
+            return f"<Accelerator on {object.__getattribute__(self, '_plan').device}, built on first use>"
+
+    return LazyAccelerator
 
 
 def build_accelerator(plan: Plan) -> Any:
@@ -147,7 +187,7 @@ def build_accelerator(plan: Plan) -> Any:
     On CPU it passes ``cpu=True``; it never imports torch_xla unless the plan is XLA.
     """
     if plan.accelerator == "lazy":
-        return LazyAccelerator(plan)
+        return lazy_accelerator_class()(plan)
     from accelerate import Accelerator
 
     return Accelerator(**accelerator_kwargs(plan))

@@ -134,6 +134,7 @@ class Job:
                 receive=receive_payload,
                 on_text=self._on_text,
                 on_message=self._on_message,
+                on_restart=self._on_restart,
                 stop=self._stop,
                 watch=self._watch,
             )
@@ -181,6 +182,14 @@ class Job:
             if line:
                 self.last_line[rank] = line
                 break
+
+    def _on_restart(self, line: str) -> None:
+        """Every rank starts again: the line in the output, each rank's state afresh."""
+        self._on_text(self.ranks.start, "stdout", line + "\n")
+        self.rank_states = dict.fromkeys(self.ranks, "starting")
+        self._rank_started.clear()
+        self._rank_ended.clear()
+        self._refresh(force=True)
 
     def _on_message(self, message: dict[str, Any]) -> None:
         if self.view is not None:

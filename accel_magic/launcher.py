@@ -63,12 +63,7 @@ class FunctionBody:
         return pack_payload({"return": self.value}, ["return"], {}, {}, folder, self.max_bytes)
 
 
-def _check(max_restarts: int, log_line_prefix_template: str | None) -> None:
-    if max_restarts:
-        raise LauncherError(
-            f"max_restarts={max_restarts!r}: accel_magic does not restart failed ranks (it reports the rank where the "
-            "failure started); leave max_restarts at 0."
-        )
+def _check(log_line_prefix_template: str | None) -> None:
     if log_line_prefix_template is not None:
         raise LauncherError(
             "log_line_prefix_template is not supported: accel_magic marks the lines of ranks other than 0 with "
@@ -144,7 +139,7 @@ def _plan(function: Callable[..., Any], num_processes: Any, mixed_precision: str
     from .plan import PlanError, Request, make_plan
     from .runtime import probe
 
-    _check(max_restarts, log_line_prefix_template)
+    _check(log_line_prefix_template)
     refuse_while_running()
     if not callable(function):
         raise LauncherError(f"function must be callable, not a {type(function).__name__}.")
@@ -154,6 +149,7 @@ def _plan(function: Callable[..., Any], num_processes: Any, mixed_precision: str
         cpu=_setup_plan is not None and _setup_plan.request.cpu,  # %accel_setup --cpu holds for launches too
         num_processes=_num_processes(num_processes),
         mixed_precision=str(mixed_precision).lower(),
+        max_restarts=max_restarts,
         **nodes,
     )
     try:
@@ -188,8 +184,10 @@ def notebook_launcher(
     for each launch unless `use_port` is given. Across machines (`num_nodes` > 1) every node calls it with its
     own `node_rank`; node 0 hosts the rendezvous at `rdzv_endpoint`, else at `master_addr:use_port`, and each
     node gets its first rank's return value; `rdzv_backend` "static" or "c10d" both run torch's static TCP
-    rendezvous on node 0's store. Restarts, log line prefixes and an rdzv_conf "rank" other than node_rank are
-    refused with a sentence saying so.
+    rendezvous on node 0's store. With `max_restarts=N`, every rank starts again after a rank failed, up to N
+    times, as torch elastic does, and rank 0's value comes from the run that succeeded. A failure raises
+    LaunchError, which is also torch elastic's `ChildFailedError`, as accelerate's launcher raises. Log line
+    prefixes and an rdzv_conf "rank" other than node_rank are refused with a sentence saying so.
     """
     try:
         plan, port = _plan(function, num_processes, mixed_precision, use_port, master_addr, node_rank, num_nodes,

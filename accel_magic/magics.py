@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import keyword
 import os
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -26,11 +27,11 @@ __all__ = ["AccelMagics"]
 
 
 def _is_accelerator(obj: Any) -> bool:
-    from .accelerator import LazyAccelerator
-
+    """An accelerate Accelerator (the notebook's own, built on first use, is one), without importing accelerate."""
     cls = type(obj)
-    return isinstance(obj, LazyAccelerator) or (
-        cls.__name__ == "Accelerator" and cls.__module__.startswith("accelerate")
+    accelerate = sys.modules.get("accelerate")
+    return (cls.__name__ == "Accelerator" and cls.__module__.startswith("accelerate")) or (
+        accelerate is not None and isinstance(obj, accelerate.Accelerator)
     )
 
 
@@ -44,6 +45,15 @@ def _positive_int(value: str | None, option: str) -> int | None:
     text = value.strip()
     if not text.lstrip("+").isdigit() or int(text) < 1:
         raise UsageError(f"{option} must be a whole number of at least 1, not {value!r}.")
+    return int(text)
+
+
+def _count(value: str | None, option: str) -> int | None:
+    if value is None:
+        return None
+    text = value.strip()
+    if not text.lstrip("+").isdigit():
+        raise UsageError(f"{option} must be a whole number of at least 0, not {value!r}.")
     return int(text)
 
 
@@ -139,6 +149,10 @@ class AccelMagics(Magics):
         "or gloo (the process group's all-reduce).",
     ).tag(config=True)
 
+    max_restarts = Int(
+        0, help="Times every rank is started again after a rank failed, as torch elastic does (max_restarts)."
+    ).tag(config=True)
+
     def __init__(self, shell: Any = None, **kwargs: Any):
         super().__init__(shell=shell, **kwargs)
         self.plan: Plan | None = None
@@ -148,6 +162,12 @@ class AccelMagics(Magics):
     def _check_num_processes(self, proposal: Any) -> Any:
         if proposal.value is not None and proposal.value < 1:
             raise TraitError(f"num_processes must be at least 1, not {proposal.value}.")
+        return proposal.value
+
+    @validate("max_restarts")
+    def _check_max_restarts(self, proposal: Any) -> Any:
+        if proposal.value < 0:
+            raise TraitError(f"max_restarts must be at least 0, not {proposal.value}.")
         return proposal.value
 
     @validate("name", "result")
@@ -263,6 +283,7 @@ class AccelMagics(Magics):
     @argument("--node-rank", metavar="R", help="this machine's place, 0 to M-1; node 0 hosts the rendezvous")
     @argument("--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address and port, the same on every node")
     @argument("--background", action="store_true", help="return once the ranks run; results come at the next cell")
+    @argument("--max-restarts", metavar="N", help="start every rank again after a rank failed, up to N times")
     @cell_magic
     def accel_train(self, line: str, cell: str) -> None:
         """Run the cell as N ranks (forked processes forming one process group) and bring rank 0's results
@@ -281,6 +302,9 @@ class AccelMagics(Magics):
         cells run meanwhile. `accel_result` is the job (status, wait(), stop(), outcome); rank 0's results come
         into the notebook when the first cell after the end runs (names rebound meanwhile are kept, and the
         launch's values left in the job's `results`), or at once with %accel_wait. One background launch at a time.
+
+        `--max-restarts N`: after a rank failed, every rank starts again (one line says so), up to N times, as
+        torch elastic does; the results come from the run that succeeded.
         """
         args = _parse(self.accel_train, line, "accel_train")
         try:
@@ -461,6 +485,7 @@ class AccelMagics(Magics):
             allreduce=_choice(args.allreduce, ALLREDUCE, "--allreduce") or base.allreduce or self.allreduce,
             timeout=_positive_float(args.timeout, "--timeout") or base.timeout or self.timeout,
             background=args.background,
+            max_restarts=_count(args.max_restarts, "--max-restarts") or self.max_restarts,
             **_nodes(args),
         )
 

@@ -48,6 +48,7 @@ class Request:
     rdzv_endpoint: str = ""  # HOST:PORT of node 0's rendezvous, for several nodes
     background: bool = False  # the cell returns once the ranks have started; they train while other cells run
     allreduce: str | None = None  # "shm" or "gloo": how CPU ranks average gradients
+    max_restarts: int = 0  # times the ranks are started again after a failure, as torch elastic does
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class Plan:
     # What averages DDP's gradients across the ranks: "shm" (shared memory; gloo for every other collective) or
     # the backend's own all-reduce.
     allreduce: str | None = None
+    max_restarts: int = 0  # times every rank is started again after a rank failed
 
     def __repr__(self) -> str:
         from .panel import plan_text
@@ -119,6 +121,7 @@ class Plan:
             "rdzv_endpoint": self.rdzv_endpoint,
             "background": self.background,
             "allreduce": self.allreduce,
+            "max_restarts": self.max_restarts,
             "notes": list(self.notes),
             "fallbacks": [
                 {"topic": f.topic, "wanted": f.wanted, "using": f.using, "asked": f.asked} for f in self.fallbacks
@@ -157,6 +160,13 @@ def _validate(request: Request) -> None:
     _validate_nodes(request)
     if request.allreduce is not None and request.allreduce not in ALLREDUCE:
         raise PlanError(f"allreduce must be one of {', '.join(ALLREDUCE)}, not {request.allreduce!r}.")
+    restarts = request.max_restarts
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+        raise PlanError(f"max_restarts must be a whole number of at least 0, not {restarts!r}.")
+    if restarts and request.num_nodes > 1:
+        raise PlanError(
+            "Restarts are for ranks on one machine: leave max_restarts at 0 across machines, or train on one."
+        )
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -394,8 +404,10 @@ def make_plan(runtime: Runtime, request: Request | None = None) -> Plan:
             f"Training across machines runs on CPUs or CUDA GPUs, not on {device.upper()}: add --cpu, or train on "
             "one machine."
         )
-    # A background cell always forks, even one process: the kernel must stay free for the notebook's other cells.
-    launch = "kernel" if n == 1 and req.num_nodes == 1 and not req.background else "fork"
+    # A background cell always forks, even one process: the kernel must stay free for the notebook's other cells;
+    # so does a launch that restarts: a failed rank starts again in a fresh process.
+    alone = n == 1 and req.num_nodes == 1 and not req.background and not req.max_restarts
+    launch = "kernel" if alone else "fork"
     allreduce = _allreduce(runtime, req, device, backend, n, notes)
     # Built on first use on CPU too: an Accelerator the notebook never used then leaves accelerate's shared state
     # empty, which accelerate's own notebook_launcher requires.
@@ -430,4 +442,5 @@ def make_plan(runtime: Runtime, request: Request | None = None) -> Plan:
         runtime=runtime,
         request=req,
         allreduce=allreduce,
+        max_restarts=req.max_restarts,
     )

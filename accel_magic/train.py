@@ -119,31 +119,43 @@ def check_launch(plan: Plan, port: int | None, nodes: Nodes, *, port_option: str
 
 def launch_ranks(body: RankBody, plan: Plan, nodes: Nodes, *, cell_filename: str, port: int | None, max_bytes: int,
                  receive: Callable[[bytes, str], Any] | None, on_text: Callable[[int, str, str], None],
-                 on_message: Callable[[dict[str, Any]], None], **options: Any) -> LaunchOutcome:  # fmt: skip
+                 on_message: Callable[[dict[str, Any]], None], on_restart: Callable[[str], None] = print,
+                 **options: Any) -> LaunchOutcome:  # fmt: skip
     """The plan's ranks on this node, launched; how it ended (`options`: launch()'s monitor_interval, stop,
-    watch)."""
+    watch). After a rank failed, every rank starts again, as torch elastic does, up to `plan.max_restarts` times,
+    each on a fresh port unless `port` names one; `on_restart` gets one line for each restart. The outcome is the
+    last run's."""
     from .accelerator import rank_environment
-    from .launch import launch
+    from .launch import launch, launch_error
     from .plan import parse_endpoint
 
     if plan.num_nodes > 1:
         port = parse_endpoint(plan.rdzv_endpoint)[1]
-    return launch(
-        body,
-        plan.num_processes,
-        backend=plan.backend or "gloo",
-        threads=plan.threads_per_process,
-        timeout=plan.timeout,
-        env=rank_environment(plan),
-        cell_filename=cell_filename,
-        on_text=on_text,
-        on_message=on_message,
-        port=port,
-        receive=receive,
-        max_bytes=max_bytes,
-        nodes=nodes,
-        **options,
-    )
+    env = rank_environment(plan)
+    restarts = 0
+    while True:
+        outcome = launch(
+            body,
+            plan.num_processes,
+            backend=plan.backend or "gloo",
+            threads=plan.threads_per_process,
+            timeout=plan.timeout,
+            env={**env, "TORCHELASTIC_RESTART_COUNT": str(restarts)},
+            cell_filename=cell_filename,
+            on_text=on_text,
+            on_message=on_message,
+            port=port,
+            receive=receive,
+            max_bytes=max_bytes,
+            nodes=nodes,
+            **options,
+        )
+        outcome.restarts = restarts
+        if restarts >= plan.max_restarts or outcome.ok or outcome.interrupted or not outcome.failures:
+            return outcome
+        restarts += 1
+        ranks = f"the {plan.num_processes} ranks" if plan.num_processes > 1 else "the rank"
+        on_restart(f"Restarting {ranks} ({restarts} of {plan.max_restarts}): {launch_error(outcome, plan.timeout)}")
 
 
 def launch_failure(outcome: LaunchOutcome, plan: Plan, source: str = "",

@@ -4,8 +4,10 @@ itself."""
 
 from __future__ import annotations
 
+import functools
 import re
 import signal
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -75,6 +77,7 @@ class LaunchOutcome:
     received: Any = None  # what `receive` made of rank 0's results, in the kernel
     receive_error: str = ""
     interrupted: bool = False
+    restarts: int = 0  # how many times the ranks were started again after a failure before this run
     started: tuple[int, ...] = ()  # the ranks whose program began (an interrupt may come before any did)
     agent_error: str = ""
     skipped: tuple[tuple[str, str], ...] = ()
@@ -118,10 +121,11 @@ def error_line(kind: str, message: str) -> str:
 
 
 class LaunchError(Exception):
-    """A launch that failed; shows one short traceback naming the rank where it started."""
+    """A launch that failed; shows one short traceback naming the rank where it started. When ranks failed, it
+    is also torch elastic's `ChildFailedError` (see `ranks_failed`), which accelerate's launcher raises."""
 
     def __init__(self, headline: str, details: str = "", outcome: LaunchOutcome | None = None):
-        super().__init__(headline)
+        Exception.__init__(self, headline)  # not ChildFailedError's, which a subclass may have next in line
         self.headline = headline
         self.details = details
         self.outcome = outcome
@@ -143,6 +147,42 @@ class LaunchInterrupted(KeyboardInterrupt):
 
     def _render_traceback_(self) -> list[str]:
         return [error_line("KeyboardInterrupt", str(self))]
+
+
+@functools.cache
+def _ranks_failed_type() -> type[LaunchError]:
+    """LaunchError that is also torch elastic's ChildFailedError (as accelerate users catch a launch's failure),
+    its `failures` each rank's, keyed by global rank; LaunchError alone where torch is missing."""
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    except ImportError:
+        return LaunchError
+
+    class RanksFailed(LaunchError, ChildFailedError):
+        __doc__ = LaunchError.__doc__
+
+    RanksFailed.__name__ = RanksFailed.__qualname__ = "LaunchError"  # the name notebooks show (the reply's ename)
+    return RanksFailed
+
+
+def ranks_failed(headline: str, details: str, outcome: LaunchOutcome, name: str = "accel_train") -> LaunchError:
+    """The LaunchError of a launch whose ranks failed, which is also a ChildFailedError whose `failures` hold each
+    failed rank's summary (exit code, and the exception as its message)."""
+    err = _ranks_failed_type()(headline, details, outcome)
+    if type(err) is not LaunchError:
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+        root = outcome.root_cause()
+        ordered = sorted(outcome.failures, key=lambda f: f is not root)  # get_first_failure: the earliest, then first
+        first = min(int(f.when or time.time()) for f in ordered)
+        failures = {}
+        for f in ordered:
+            code = 1 if f.exitcode is None else f.exitcode
+            failure = ProcessFailure(f.rank - outcome.first_rank, 0, code, error_file="")
+            failure.message, failure.timestamp = f.summary, first if f is root else int(f.when or first)
+            failures[f.rank] = failure
+        err.name, err.failures = name, failures  # type: ignore[attr-defined]
+    return err
 
 
 # Front ends and notebooks name an error by its class (the reply's ename): this one is a KeyboardInterrupt to them.
@@ -247,13 +287,13 @@ def launch_error(outcome: LaunchOutcome, timeout: float, options: NodeOptions = 
             f"the launch failed on another node ({outcome.remote_failure}), so this node's ranks were stopped; "
             "that node's cell names the rank and the line."
         )
-        return LaunchError(headline, outcome=outcome)
+        return ranks_failed(headline, "", outcome)
     if outcome.num_nodes > 1 and root.kind == "collateral":  # every failure here was caused elsewhere
         headline = (
             f"rank {root.rank} lost the ranks of another node ({root.summary}): the failure started on another "
             "node, whose cell names the rank and the line; this node's ranks were stopped."
         )
-        return LaunchError(headline, outcome=outcome)
+        return ranks_failed(headline, "", outcome)
     if root.kind == "timeout":
         headline = (
             f"rank {root.rank}: a collective waited more than {timeout:g} s (--timeout) for the other ranks; "
@@ -264,11 +304,11 @@ def launch_error(outcome: LaunchOutcome, timeout: float, options: NodeOptions = 
             f"accel_magic failed inside rank {root.rank} {root.summary}.{stopped} This is a bug in accel_magic, "
             f"not in your cell: please report it at {ISSUES_URL} with the traceback and versions below."
         )
-        return LaunchError(headline, f"{root.traceback.rstrip()}\nversions: {root.versions}", outcome)
+        return ranks_failed(headline, f"{root.traceback.rstrip()}\nversions: {root.versions}", outcome)
     elif root.kind in ("signal", "exit"):
         headline = f"rank {root.rank} {root.summary}.{stopped}"
     else:
         headline = f"rank {root.rank} raised {root.summary}" + (
             "; the other ranks were stopped." if outcome.num_processes > 1 else ""
         )
-    return LaunchError(headline, root.traceback, outcome)
+    return ranks_failed(headline, root.traceback, outcome)

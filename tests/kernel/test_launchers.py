@@ -76,6 +76,57 @@ def test_the_drop_in_names_the_failing_rank_and_the_next_launch_works(kernel_run
     assert cells.text(2).strip().endswith("0")
 
 
+FLAKY = """
+import os
+from accelerate import Accelerator
+
+def flaky(good_from):
+    accelerator = Accelerator()
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if accelerator.process_index == 1 and restart < good_from:
+        raise RuntimeError(f"not yet ({restart})")
+    accelerator.wait_for_everyone()
+    return restart
+"""
+
+
+def test_the_drop_in_restarts_failed_ranks_and_returns_the_value_of_the_run_that_succeeded(kernel_run) -> None:
+    cells = kernel_run(
+        FLAKY + "from accel_magic import notebook_launcher",
+        "print('returned', notebook_launcher(flaky, (2,), num_processes=2, max_restarts=3))",
+        "notebook_launcher(flaky, (5,), num_processes=2, max_restarts=1)",
+        allow_errors=True,
+    )
+    lines = [line for line in cells.text(1).splitlines() if line.startswith("Restarting")]
+    assert lines == [
+        "Restarting the 2 ranks (1 of 3): rank 1 raised RuntimeError: not yet (0); the other ranks were stopped.",
+        "Restarting the 2 ranks (2 of 3): rank 1 raised RuntimeError: not yet (1); the other ranks were stopped.",
+    ], cells.text(1)
+    assert "returned 2" in cells.text(1)
+    out = cells.text(2)
+    assert "Restarting the 2 ranks (1 of 1): rank 1 raised RuntimeError: not yet (0)" in out, out
+    (error,) = [o for o in cells.outputs(2) if o["output_type"] == "error"]
+    assert error["ename"] == "LaunchError" and error["evalue"].startswith("rank 1 raised RuntimeError: not yet (1)")
+
+
+def test_a_failure_of_the_drop_in_is_torch_elastics_child_failed_error_carrying_the_ranks_exception(
+    kernel_run,
+) -> None:
+    cells = kernel_run(
+        FLAKY + "from accel_magic import notebook_launcher",
+        "from torch.distributed.elastic.multiprocessing.errors import ChildFailedError\n"
+        "try:\n"
+        "    notebook_launcher(flaky, (1,), num_processes=2)\n"
+        "except ChildFailedError as err:\n"
+        "    rank, failure = err.get_first_failure()\n"
+        "    print('caught', type(err).__name__, rank, failure.message, '|', err)",
+    )
+    assert (
+        "caught LaunchError 1 RuntimeError: not yet (0) | rank 1 raised RuntimeError: not yet (0); the other ranks "
+        "were stopped." in cells.text(1)
+    ), cells.text(1)
+
+
 @pytest.mark.parametrize(
     ("call", "says"),
     [
@@ -88,7 +139,11 @@ def test_the_drop_in_names_the_failing_rank_and_the_next_launch_works(kernel_run
             r"^rdzv_conf=\{'rank': 0\} is not read \(accelerate numbers the nodes by node_rank, here 1\): give this "
             r"node's rank as node_rank and leave 'rank' out of rdzv_conf\.$",
         ),
-        ("max_restarts=3", r"accel_magic does not restart failed ranks"),
+        ("max_restarts=-1", r"^max_restarts must be a whole number of at least 0, not -1\.$"),
+        (
+            "num_nodes=2, rdzv_endpoint='127.0.0.1:29400', max_restarts=1",
+            r"^Restarts are for ranks on one machine: leave max_restarts at 0 across machines, or train on one\.$",
+        ),
         ("log_line_prefix_template='${rank}: '", r"log_line_prefix_template is not supported"),
         ("num_processes=0", r"num_processes must be a whole number of at least 1, not 0\."),
         ("num_processes=2, mixed_precision='fp17'", r"mixed"),

@@ -48,3 +48,27 @@ def test_bad_input_in_a_kernel_is_one_line_without_traceback(kernel_run) -> None
     expected = "`keep` already holds a list: pass --force to replace it, or choose another --name."
     assert err["text"] == f"UsageError: {expected}\n"
     assert cells.text(3).strip() == "[1, 2]"
+
+
+def test_the_notebooks_accelerator_is_an_accelerator_to_completion_inspection_and_help_before_it_is_built(
+    live_kernel,
+) -> None:
+    k = live_kernel
+    k.execute("%load_ext accel_magic\n%accel_setup --quiet")
+    msg_id = k.kc.complete("accelerator.prep", len("accelerator.prep"))
+    reply = k.kc.get_shell_msg(timeout=60)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert "accelerator.prepare" in reply["content"]["matches"] or "prepare" in reply["content"]["matches"], reply
+    msg_id = k.kc.inspect("accelerator", len("accelerator"))  # accelerator? in the notebook
+    reply = k.kc.get_shell_msg(timeout=60)
+    assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["found"], reply
+    assert "Creates an instance of an accelerator" in reply["content"]["data"]["text/plain"]
+    out = k.text(
+        "import accelerate, io, contextlib\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as page:\n"
+        "    help(accelerator)\n"
+        "print(isinstance(accelerator, accelerate.Accelerator), 'prepare' in dir(accelerator), accelerator.built,\n"
+        "      'Creates an instance of an accelerator' in page.getvalue())"
+    )
+    assert out.split() == ["True", "True", "False", "True"], out
+    assert k.text("print(accelerator.device, accelerator.built)").split() == ["cpu", "True"]

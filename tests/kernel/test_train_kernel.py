@@ -283,6 +283,29 @@ def test_a_failure_of_accel_magic_inside_a_rank_is_reported_as_a_bug_with_its_tr
     assert cells.text(6).strip() == "before 2"
 
 
+FIRST_TRY_FAILS = """%%accel_train -n 2 --max-restarts 2{}
+import os
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if accelerator.process_index == 1 and restart == 0:
+    raise ValueError("first try")
+accelerator.wait_for_everyone()
+"""
+RESTARTED = "Restarting the 2 ranks (1 of 2): rank 1 raised ValueError: first try; the other ranks were stopped."
+
+
+def test_max_restarts_starts_every_rank_again_and_the_results_are_the_run_that_succeeded(kernel_run) -> None:
+    cells = kernel_run(
+        SETUP,
+        FIRST_TRY_FAILS.format(""),
+        "print('foreground', restart, accel_result.restarts)",
+        FIRST_TRY_FAILS.format(" --background"),
+        "%accel_wait\nprint('background', restart, accel_result.outcome.restarts)\nprint(accel_result.output)",
+    )
+    assert [line for line in cells.text(1).splitlines() if line.startswith("Restart")] == [RESTARTED]
+    assert "foreground 1 1" in cells.text(2)
+    assert "background 1 1" in cells.text(4) and RESTARTED in cells.text(4), cells.text(4)
+
+
 def test_syntax_error_is_reported_before_any_process_starts(kernel_run) -> None:
     cells = kernel_run(
         SETUP,

@@ -8,7 +8,6 @@ import types
 import pytest
 
 from accel_magic.accelerator import (
-    LazyAccelerator,
     SetupError,
     build_accelerator,
     prepare_environment,
@@ -48,7 +47,7 @@ def test_several_fake_gpus_give_a_lazy_accelerator_that_builds_nothing_yet() -> 
 
     PartialState._reset_state()
     acc = build_accelerator(make_plan(FAKE_TWO_A100))
-    assert isinstance(acc, LazyAccelerator) and not acc.built
+    assert type(acc).__name__ == "LazyAccelerator" and not acc.built
     assert repr(acc) == "<Accelerator on cuda, built on first use>"
     assert PartialState._shared_state == {}
 
@@ -69,3 +68,28 @@ def test_rank_environment_tells_the_ranks_to_average_in_shared_memory_only_when_
     assert rank_environment(make_plan(shared, Request(num_processes=2)))[ENV] == "shm"
     assert ENV not in rank_environment(make_plan(shared, Request(num_processes=2, allreduce="gloo")))
     assert ENV not in rank_environment(make_plan(CPU, Request(num_processes=2)))
+
+
+def test_the_lazy_accelerator_is_an_accelerator_to_isinstance_dir_and_help_and_none_of_them_builds_it() -> None:
+    import pydoc
+
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+
+    PartialState._reset_state()
+    acc = build_accelerator(make_plan(CPU))
+    assert isinstance(acc, Accelerator)
+    assert {"prepare", "backward", "device", "num_processes"} <= set(dir(acc))
+    assert Accelerator.__doc__.strip().splitlines()[0] in pydoc.render_doc(acc)
+    assert not hasattr(acc, "_repr_html_") and not acc.built  # a front end's display probe builds nothing
+    prepare = acc.prepare  # looked up, as completion does: still not built
+    assert not acc.built and PartialState._shared_state == {}
+    model = prepare(torch_linear())
+    assert acc.built and acc.device.type == "cpu" and model in acc._models
+    PartialState._reset_state()
+
+
+def torch_linear():
+    import torch
+
+    return torch.nn.Linear(2, 1)
