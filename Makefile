@@ -6,7 +6,7 @@ STACKS := colab kaggle minimum
 # The layers every pinned stack runs: everything but the binder/ build, which has a Python of its own.
 PINNED_LAYERS := tests/unit tests/shell tests/kernel
 
-.PHONY: env envs quickstart test lint test-main $(addprefix test-,$(STACKS)) bench chromium screenshots
+.PHONY: env envs quickstart test lint test-main $(addprefix test-,$(STACKS)) bench chromium screenshots gpu-check
 
 $(VENV)/.installed: requirements/test.txt pyproject.toml
 	scripts/make_env.sh $(VENV) requirements/test.txt
@@ -51,3 +51,7 @@ test:
 # Benchmarks: figures and ratios, written to bench/RESULTS.md; they never fail on speed.
 bench: $(VENV)/.installed
 	$(VENV)/bin/python bench/run.py
+
+# The GPU path end to end in real kernels, on a machine with NVIDIA GPUs (CI has none): one line per check.
+gpu-check:
+	scripts/gpu_check.sh

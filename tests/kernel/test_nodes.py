@@ -24,8 +24,9 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 WHERE = """\
 from accel_magic import notebook_launcher
 def where():
-    from accelerate import Accelerator
-    a = Accelerator()
+    from accelerate import Accelerator, PartialState
+    with PartialState().main_process_first():  # built first, as Hugging Face's examples do
+        a = Accelerator()
     return a.process_index, a.num_processes, a.local_process_index
 """
 
