@@ -137,9 +137,10 @@ def a_launch_after_cuda_in_the_kernel_is_refused() -> str:
 def a_forked_rank_trains_on_the_gpu() -> str:
     out = run(
         "%load_ext accel_magic",
-        "%%accel_train -n 1 --background\n"
-        "import torch\nt = torch.ones(4, device=accelerator.device) * 2\nprint('rank', accelerator.device, t.sum().item())",
-        "%accel_wait\nprint(accel_result.output)\nimport torch\nprint('kernel initialized', torch.cuda.is_initialized())",
+        "%%accel_train -n 1 --background\nimport torch\n"
+        "t = torch.ones(4, device=accelerator.device) * 2\nprint('rank', accelerator.device, t.sum().item())",
+        "%accel_wait\nprint(accel_result.output)\n"
+        "import torch\nprint('kernel initialized', torch.cuda.is_initialized())",
     )[2]
     expect("rank cuda:0 8.0" in out and "kernel initialized False" in out, out)
     return out.strip().replace("\n", "; ")
@@ -150,8 +151,7 @@ def two_gpus_train_with_nccl_to_identical_weights(gpus: int) -> Callable[[], str
         if gpus < 2:
             raise Skip(f"needs two GPUs, this machine has {gpus}")
         out = run(
-            SETUP
-            + "import torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(64, 4)\n"
+            SETUP + "import torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(64, 4)\n"
             "opt = torch.optim.SGD(model.parameters(), lr=0.1)",
             """
             %%accel_train -n 2
@@ -205,7 +205,7 @@ def main() -> int:
     if gpus == 0:
         print("gpu-check: no NVIDIA GPU on this machine (nvidia-smi lists none): nothing was checked")
         return 0
-    print(f"gpu-check: {gpus} NVIDIA GPU(s); Python {sys.version.split()[0]}; PYTHONPATH={os.environ.get('PYTHONPATH')}")
+    print(f"gpu-check: {gpus} NVIDIA GPU(s); Python {sys.version.split()[0]}; accel_magic from {os.getcwd()}")
     print(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False).stdout.strip())
     check("%accel_setup leaves CUDA uninitialized in the kernel", setup_leaves_cuda_uninitialized)
     check("one GPU trains in the kernel with fp16 autocast", one_gpu_trains_in_the_kernel_with_fp16_autocast)
