@@ -281,7 +281,7 @@ def launch_error(outcome: LaunchOutcome, timeout: float, options: NodeOptions = 
         return LaunchError(f"the launch failed before the cell ran: {outcome.agent_error}", outcome=outcome)
     root = outcome.root_cause()
     assert root is not None
-    stopped = " The other ranks were stopped." if outcome.num_processes > 1 else ""
+    stopped = "; the other ranks were stopped." if outcome.num_processes > 1 else "."
     if outcome.num_nodes > 1 and root.kind in ("collateral", "signal") and outcome.remote_failure:
         headline = (
             f"the launch failed on another node ({outcome.remote_failure}), so this node's ranks were stopped; "
@@ -297,18 +297,16 @@ def launch_error(outcome: LaunchOutcome, timeout: float, options: NodeOptions = 
     if root.kind == "timeout":
         headline = (
             f"rank {root.rank}: a collective waited more than {timeout:g} s (--timeout) for the other ranks; "
-            f"every rank must reach the same collectives ({root.summary}).{stopped}"
+            f"every rank must reach the same collectives ({root.summary}){stopped}"
         )
     elif root.kind == "internal":
         headline = (
-            f"accel_magic failed inside rank {root.rank} {root.summary}.{stopped} This is a bug in accel_magic, "
+            f"accel_magic failed inside rank {root.rank} {root.summary}{stopped} This is a bug in accel_magic, "
             f"not in your cell: please report it at {ISSUES_URL} with the traceback and versions below."
         )
         return ranks_failed(headline, f"{root.traceback.rstrip()}\nversions: {root.versions}", outcome)
     elif root.kind in ("signal", "exit"):
-        headline = f"rank {root.rank} {root.summary}.{stopped}"
-    else:
-        headline = f"rank {root.rank} raised {root.summary}" + (
-            "; the other ranks were stopped." if outcome.num_processes > 1 else ""
-        )
+        headline = f"rank {root.rank} {root.summary}{stopped}"
+    else:  # one rank: the exception's own words end the line
+        headline = f"rank {root.rank} raised {root.summary}" + (stopped if outcome.num_processes > 1 else "")
     return ranks_failed(headline, root.traceback, outcome)

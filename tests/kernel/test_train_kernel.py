@@ -127,6 +127,12 @@ def test_tqdm_auto_bar_on_rank0_shows_as_a_widget(kernel_run) -> None:
     )
     views = [o for o in cells.outputs(1) if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     assert len(views) == 1  # rank 0's bar, forwarded; rank 1 disabled its own
+    # Every update of the bar reached the kernel's widgets: the bar drawn full, 5/5 beside it.
+    state = cells.nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    models = [(m["model_name"], m["state"]) for m in state.values()]
+    bars = [m for name, m in models if name == "FloatProgressModel"]
+    assert [(m["value"], m["max"], m["bar_style"]) for m in bars] == [(5, 5, "success")], models
+    assert any("5/5" in m["value"] for name, m in models if name == "HTMLModel"), models
 
 
 def test_return_options_and_unpicklable_names(kernel_run) -> None:
@@ -227,7 +233,7 @@ def test_failure_names_the_root_rank_then_the_next_launch_works(kernel_run, body
     (error,) = [o for o in cells.outputs(2) if o["output_type"] == "error"]
     assert error["ename"] == "LaunchError"
     assert error["evalue"].startswith(headline), error["evalue"]
-    assert "The other ranks were stopped" in error["evalue"] or "the other ranks were stopped" in error["evalue"]
+    assert error["evalue"].endswith("; the other ranks were stopped."), error["evalue"]
     tb = "\n".join(error["traceback"])
     if "raise" in body:
         assert "Cell line 3" in tb and "elastic" not in tb

@@ -151,6 +151,13 @@ def _ddp_comm_hook_name() -> bool:
         dist.destroy_process_group()
 
 
+def _stream_buffer_lock() -> bool:
+    from ipykernel.iostream import OutStream
+
+    source = inspect.getsource(OutStream)  # an RLock the stream takes for every write and flush
+    return "self._buffer_lock = threading.RLock()" in source and "with self._buffer_lock" in source
+
+
 def _argparse_actions() -> bool:
     parser = argparse.ArgumentParser()
     action = parser.add_argument("-n", "--num-processes")
@@ -164,6 +171,7 @@ PRIVATE_APIS: list[tuple[str, tuple[str, ...], Callable[[], bool]]] = [
     ("accel_magic.launch.elastic", ("_registry",), _rendezvous_registry),
     ("accel_magic.launch.elastic", ("_store", "create_rdzv_handler"), _static_handler_fields),
     ("accel_magic.launch.guard", ("_is_in_bad_fork",), _bad_fork_flag),
+    ("accel_magic.launch.guard", ("_buffer_lock",), _stream_buffer_lock),
     ("accel_magic.launch.relay", ("session", "iopub_socket"), _kernel_session),
     ("accel_magic.magics", ("_option_string_actions",), _argparse_actions),
     ("accel_magic.launch.shm", ("_get_ddp_logging_data",), _ddp_comm_hook_name),

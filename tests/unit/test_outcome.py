@@ -37,7 +37,7 @@ def test_a_rank_that_started_left_no_record_and_was_seen_killed_is_reported_kill
     assert killed.summary == "was killed by SIGKILL (as the out-of-memory killer does)"
     assert outcome.root_cause() == killed
     assert str(launch_error(outcome, 900)) == (
-        "rank 1 was killed by SIGKILL (as the out-of-memory killer does). The other ranks were stopped."
+        "rank 1 was killed by SIGKILL (as the out-of-memory killer does); the other ranks were stopped."
     )
 
 
@@ -117,7 +117,7 @@ def test_a_failure_inside_accel_magic_says_so_and_ends_its_details_with_the_vers
     collect(outcome, {0: RankRecords(started=True, error=internal), 1: RankRecords(started=True)})
     err = launch_error(outcome, 900)
     assert err.headline.startswith(
-        "accel_magic failed inside rank 0 before the cell ran: ImportError: no accelerate. The other ranks were "
+        "accel_magic failed inside rank 0 before the cell ran: ImportError: no accelerate; the other ranks were "
         "stopped. This is a bug in accel_magic, not in your cell"
     )
     details = err.details.split("\n")
