@@ -33,7 +33,7 @@ chromium:
 # Today's releases: every layer, the binder/ environment and the browser included (classic Notebook runs from
 # Colab's environment).
 test-main: $(VENV)/.installed .venv-colab/.installed chromium
-	$(VENV)/bin/python -m pytest -ra
+	$(VENV)/bin/python -m pytest -ra --durations=15
 
 # Takes docs/screenshots anew from JupyterLab (the browser layer checks that they are current).
 screenshots: $(VENV)/.installed chromium
@@ -41,7 +41,7 @@ screenshots: $(VENV)/.installed chromium
 
 # Colab's runtime (requirements/colab.txt), Kaggle's, and every dependency at its declared minimum.
 $(addprefix test-,$(STACKS)): test-%: .venv-%/.installed
-	.venv-$*/bin/python -m pytest -ra $(PINNED_LAYERS)
+	.venv-$*/bin/python -m pytest -ra --durations=15 $(PINNED_LAYERS)
 
 # The environments build in parallel; the tests run one stack at a time (they measure and time processes).
 test:
