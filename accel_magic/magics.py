@@ -57,6 +57,11 @@ def _count(value: str | None, option: str) -> int | None:
     return int(text)
 
 
+def _given(value: Any, default: Any) -> Any:
+    """An option's value where it was given (0 included), else the default."""
+    return default if value is None else value
+
+
 def _choice(value: str | None, choices: tuple[str, ...], option: str) -> str | None:
     if value is None:
         return None
@@ -485,7 +490,7 @@ class AccelMagics(Magics):
             allreduce=_choice(args.allreduce, ALLREDUCE, "--allreduce") or base.allreduce or self.allreduce,
             timeout=_positive_float(args.timeout, "--timeout") or base.timeout or self.timeout,
             background=args.background,
-            max_restarts=_count(args.max_restarts, "--max-restarts") or self.max_restarts,
+            max_restarts=_given(_count(args.max_restarts, "--max-restarts"), self.max_restarts),
             **_nodes(args),
         )
 

@@ -165,7 +165,7 @@ def _ranks_failed_type() -> type[LaunchError]:
     return RanksFailed
 
 
-def ranks_failed(headline: str, details: str, outcome: LaunchOutcome, name: str = "accel_train") -> LaunchError:
+def ranks_failed(headline: str, details: str, outcome: LaunchOutcome) -> LaunchError:
     """The LaunchError of a launch whose ranks failed, which is also a ChildFailedError whose `failures` hold each
     failed rank's summary (exit code, and the exception as its message)."""
     err = _ranks_failed_type()(headline, details, outcome)
@@ -181,7 +181,7 @@ def ranks_failed(headline: str, details: str, outcome: LaunchOutcome, name: str 
             failure = ProcessFailure(f.rank - outcome.first_rank, 0, code, error_file="")
             failure.message, failure.timestamp = f.summary, first if f is root else int(f.when or first)
             failures[f.rank] = failure
-        err.name, err.failures = name, failures  # type: ignore[attr-defined]
+        err.name, err.failures = "accel_train", failures  # type: ignore[attr-defined]
     return err
 
 

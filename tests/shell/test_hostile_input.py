@@ -26,6 +26,7 @@ TRAIN_LINES = [
     ("--timeout", ["-1", "0", "abc", "nan", "inf"]),
     ("--port", ["0", "70000", "-5", "http"]),
     ("--max-return-mb", ["0", "-3", "lots"]),
+    ("--max-restarts", ["-1", "two", "1.5"]),
     ("--return", ["not_bound", "x,,y_unbound"]),
     ("--result", ["1abc", "class", "''", "keep"]),
 ]
@@ -59,6 +60,7 @@ TRAIN_CASES += [
     ("--nodes 2 --node-rank 0 --rdzv-endpoint host:99999", "accel_train"),
     ("--nodes 2 --node-rank 0 --rdzv-endpoint 127.0.0.1:29500 --port 29501", "accel_train"),
     ("--node-rank 1 --rdzv-endpoint 127.0.0.1:29500", "accel_train"),  # no --nodes
+    ("--nodes 2 --node-rank 0 --rdzv-endpoint 127.0.0.1:29500 --max-restarts 1", "accel_train"),
 ]
 
 
