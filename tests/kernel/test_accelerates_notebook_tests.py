@@ -1,6 +1,8 @@
 """accelerate's own notebook tests (`accelerate/test_utils/scripts/test_notebook.py`, from the installed wheel) in a
 real kernel, with their `notebook_launcher` rebound to accel_magic's drop-in and 2 processes: every test passes
-but `test_mixed_precision`, and every rank of their launches is in one MULTI_CPU group."""
+but `test_mixed_precision`, and every rank of their launches is in one MULTI_CPU group. `test_fault_tolerant`'s
+function takes from its queue atomically here: as written, two processes can both see one item left and one of
+them then waits for ever, whichever launcher runs them."""
 
 from __future__ import annotations
 
@@ -22,10 +24,25 @@ EXPECTED_TO_FAIL = {"test_mixed_precision"}
 
 LOAD = """
 import os, unittest
+from queue import Empty
 os.environ["ACCELERATE_NUM_PROCESSES"] = "2"
 import accelerate.test_utils.scripts.test_notebook as suite
 from accel_magic import notebook_launcher
 suite.notebook_launcher = notebook_launcher
+
+def tough_nut_function(queue):
+    # test_fault_tolerant's function checks queue.empty(), then calls queue.get(): two processes can both pass the
+    # check for the last item, and one then waits for ever (under accelerate's launcher too). The same, atomic.
+    try:
+        trial = queue.get_nowait()
+    except Empty:
+        return
+    if trial > 0:
+        queue.put(trial - 1)
+        raise RuntimeError("The nut hasn't cracked yet! Try again.")
+    print(f"PartialState:\\n{suite.PartialState()}")
+
+suite.tough_nut_function = tough_nut_function
 print(suite.NUM_PROCESSES)
 """
 
