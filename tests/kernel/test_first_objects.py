@@ -6,6 +6,7 @@ the launch's one group: the distributed type, `num_processes` and its own `proce
 from __future__ import annotations
 
 import re
+import socket
 
 import pytest
 
@@ -92,3 +93,33 @@ def test_training_cells(kernel_run, background: bool) -> None:
     ran = kernel_run("%load_ext accel_magic", REPORT + LOGS, *cells, ORDERS)
     out = "".join(ran.text(i) for i in range(2, 2 + len(cells)))
     check(out, ran.text(2 + len(cells)))
+
+
+def test_the_drop_in_across_two_kernels(live_kernels, tmp_path) -> None:
+    """Two kernels stand in for two machines (the rendezvous on loopback); every first object, each launch four
+    ranks, each kernel its own two."""
+    kernels = [live_kernels(), live_kernels()]
+    for kernel in kernels:
+        kernel.text(REPORT + "from accel_magic import notebook_launcher")
+    for first in FIRSTS:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        log = tmp_path / f"{first}.order"
+        ids = [
+            k.kc.execute(
+                f"notebook_launcher(report, ({first!r}, {str(log)!r}), num_processes=2, num_nodes=2, node_rank={r}, "
+                f"master_addr='127.0.0.1', use_port='{port}', rdzv_conf={{'timeout': 60}})"
+            )
+            for r, k in enumerate(kernels)
+        ]
+        texts = ["".join(o.get("text", "") for o in k.collect(i, 120)[1]) for k, i in zip(kernels, ids, strict=True)]
+        for node, text in enumerate(texts):
+            for rank in (2 * node, 2 * node + 1):
+                assert re.search(
+                    rf"{first} first: DistributedType\.MULTI_CPU num_processes=4 process_index={rank} "
+                    rf"\(torch rank {rank} of 4\)",
+                    text,
+                ), (first, rank, text)
+        order = log.read_text().split()
+        assert order[0] == "0" and sorted(order) == ["0", "1", "2", "3"], (first, order)
