@@ -14,6 +14,8 @@ else
 fi
 rm -rf "$dir"
 "$python" -m venv "$dir"
+# No download cache: three CUDA builds of torch would leave about 9 GB of wheels behind beside the environments.
+export PIP_NO_CACHE_DIR=1
 "$dir/bin/pip" install -q --upgrade pip
 "$dir/bin/pip" install -q -r "$requirements"
 "$dir/bin/pip" install -q --no-deps -e .
