@@ -10,13 +10,17 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from .accelerator import rank_accelerator
 from .cell import CellCode
+from .display import GLOO_CHATTER
+from .launch import Hooks, Launch, LaunchOutcome, Results, run
+from .launch.relay import Relay
 from .plan import Plan
-from .train import CellBody, TrainError, bring_back, check_launch, launch_failure, launch_ranks, plan_nodes
+from .results import receive_payload
+from .train import CellBody, TrainError, bring_back, describe, launch_failure, start
 
 if TYPE_CHECKING:
-    from .launch import LaunchOutcome
-    from .launch.relay import Relay
+    from .status import StatusView
 
 __all__ = ["Job", "start_job", "running_job", "last_job", "refuse_while_running", "stop_jobs"]
 
@@ -38,8 +42,6 @@ class Job:
 
     def __init__(self, shell: Any, code: CellCode, plan: Plan, *, name: str, result_name: str,
                  returns: tuple[str, ...] | None, port: int | None, max_bytes: int):  # fmt: skip
-        from .accelerator import rank_accelerator
-
         self.shell, self.plan, self.name = shell, plan, result_name
         self.status = "starting"
         self.outcome: LaunchOutcome | None = None
@@ -61,10 +63,8 @@ class Job:
         self.ended_at: float | None = None
         self.ended = threading.Event()
         self._stop = threading.Event()
-        self._nodes = plan_nodes(plan)
-        self._port = port
         self._before = {k: v for k, v in shell.user_ns.items() if not k.startswith("_")}
-        self._body: CellBody | None = CellBody(
+        body = CellBody(
             code,
             shell.user_ns,
             make_accelerator=partial(rank_accelerator, plan),
@@ -73,8 +73,11 @@ class Job:
             notebook={id(v): (k, v) for k, v in self._before.items()},
             max_bytes=max_bytes,
         )
-        self._filename, self._max_bytes = code.filename, max_bytes
-        self.view: Any = None  # the status widget, when the front end shows widgets
+        hooks = Hooks(self._on_text, self._on_message, self._on_restart, stop=self._stop, watch=self._watch)
+        results = Results(receive_payload, max_bytes)
+        self._spec: Launch | None = describe(body, plan, filename=code.filename, port=port, results=results,
+                                             hooks=hooks)  # fmt: skip
+        self.view: StatusView | None = None  # the status widget, when the front end shows widgets
         self._refreshed = 0.0
         self._thread = threading.Thread(target=self._run, name="accel_magic-job", daemon=True)
 
@@ -111,37 +114,20 @@ class Job:
     # -- in the job's thread --------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        from .display import launch_banner
-
-        check_launch(self.plan, self._port, self._nodes)
-        print(launch_banner(self.plan))
+        assert self._spec is not None, "a job starts once"
+        start(self._spec, self.plan)
         if self.view is not None:
             self.view.show()
         self._thread.start()
 
     def _run(self) -> None:
-        from .launch import LaunchOutcome
-        from .results import receive_payload
-
+        assert self._spec is not None, "a job runs once"
         try:
-            outcome = launch_ranks(
-                self._body,
-                self.plan,
-                self._nodes,
-                cell_filename=self._filename,
-                port=self._port,
-                max_bytes=self._max_bytes,
-                receive=receive_payload,
-                on_text=self._on_text,
-                on_message=self._on_message,
-                on_restart=self._on_restart,
-                stop=self._stop,
-                watch=self._watch,
-            )
+            outcome = run(self._spec)
         except BaseException as err:  # a thread has nobody to raise to: the failure is the job's outcome
             outcome = LaunchOutcome(self.plan.num_processes, self.ranks.start)
             outcome.agent_error = f"{type(err).__name__}: {err}"
-        self._body = None
+        self._spec = None  # the body, and the notebook's objects it holds
         self._finish(outcome)
 
     def _finish(self, outcome: LaunchOutcome) -> None:
@@ -167,8 +153,6 @@ class Job:
         self._refresh(force=True)
 
     def _on_text(self, rank: int, stream: str, text: str) -> None:
-        from .display import GLOO_CHATTER
-
         text = GLOO_CHATTER.sub("", text)
         if not text:
             return
@@ -264,7 +248,7 @@ def start_job(shell: Any, code: CellCode, plan: Plan, **options: Any) -> Job:
     refuse_while_running()
     job = Job(shell, code, plan, **options)
     if getattr(shell, "kernel", None) is not None:
-        from .status import StatusView
+        from .status import StatusView  # ipywidgets, only where a front end shows widgets
 
         job.view = StatusView(job)
     job.start()

@@ -16,8 +16,15 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .plan import Plan
-from .train import OneSentence
+from .accelerator import rank_state, reset_state, state_set_aside
+from .display import write_rank_text
+from .jobs import refuse_while_running
+from .launch import Hooks, NodeOptions, Results, launch_interrupted
+from .launch.relay import publish_kernel_message
+from .plan import Plan, PlanError, Request, make_plan
+from .results import pack_payload, receive_payload
+from .runtime import probe
+from .train import FrontDoor, OneSentence, describe, launch_plan, plan_nodes, stopped_before_start
 
 __all__ = [
     "notebook_launcher",
@@ -48,16 +55,13 @@ class FunctionBody:
         self.value: Any = None
 
     def setup(self, rank: int) -> None:
-        from .accelerator import rank_state
-
+        reset_state()  # state copied from the notebook would make the rank believe it trains alone
         rank_state(self.plan)  # the function builds its own Accelerator, which joins the launch's group
 
     def run(self) -> None:
         self.value = self.function(*self.args)
 
     def results(self, rank: int, folder: str) -> bytes | None:
-        from .results import pack_payload
-
         if rank != 0 or self.value is None:
             return None
         return pack_payload({"return": self.value}, ["return"], {}, {}, folder, self.max_bytes)
@@ -129,31 +133,12 @@ def _source(function: Callable[..., Any], filename: str) -> str:
     return os.path.basename(filename) or "the function"
 
 
-def _plan(function: Callable[..., Any], num_processes: Any, mixed_precision: str, use_port: str, master_addr: str,
-          node_rank: int, num_nodes: int, rdzv_backend: str, rdzv_endpoint: str, rdzv_conf: dict[str, Any] | None,
-          max_restarts: int, log_line_prefix_template: str | None) -> tuple[Any, int | None]:  # fmt: skip
-    """The arguments checked (each refusal one LauncherError) and the plan made from them; the port to use."""
+def _plan(request: Request) -> Plan:
+    """The plan for the request on this machine now; a request it cannot honour is one LauncherError."""
     from IPython import get_ipython
 
-    from .jobs import refuse_while_running
-    from .plan import PlanError, Request, make_plan
-    from .runtime import probe
-
-    _check(log_line_prefix_template)
-    refuse_while_running()
-    if not callable(function):
-        raise LauncherError(f"function must be callable, not a {type(function).__name__}.")
-    port = _port(use_port)
-    nodes = _nodes(num_nodes, node_rank, master_addr, str(use_port), rdzv_backend, rdzv_endpoint, rdzv_conf)
-    request = Request(
-        cpu=_setup_plan is not None and _setup_plan.request.cpu,  # %accel_setup --cpu holds for launches too
-        num_processes=_num_processes(num_processes),
-        mixed_precision=str(mixed_precision).lower(),
-        max_restarts=max_restarts,
-        **nodes,
-    )
     try:
-        return make_plan(probe(get_ipython()), request), port
+        return make_plan(probe(get_ipython()), request)
     except PlanError as err:
         raise LauncherError(str(err)) from None
 
@@ -189,44 +174,51 @@ def notebook_launcher(
     LaunchError, which is also torch elastic's `ChildFailedError`, as accelerate's launcher raises. Log line
     prefixes and an rdzv_conf "rank" other than node_rank are refused with a sentence saying so.
     """
-    try:
-        plan, port = _plan(function, num_processes, mixed_precision, use_port, master_addr, node_rank, num_nodes,
-                           rdzv_backend, rdzv_endpoint, rdzv_conf, max_restarts, log_line_prefix_template)  # fmt: skip
+    try:  # the arguments checked, each refusal one LauncherError, and the plan made from them
+        _check(log_line_prefix_template)
+        refuse_while_running()
+        if not callable(function):
+            raise LauncherError(f"function must be callable, not a {type(function).__name__}.")
+        port = _port(use_port)
+        nodes = _nodes(num_nodes, node_rank, master_addr, str(use_port), rdzv_backend, rdzv_endpoint, rdzv_conf)
+        plan = _plan(
+            Request(
+                cpu=_setup_plan is not None and _setup_plan.request.cpu,  # %accel_setup --cpu holds for launches
+                num_processes=_num_processes(num_processes),
+                mixed_precision=str(mixed_precision).lower(),
+                max_restarts=max_restarts,
+                **nodes,
+            )
+        )
     except KeyboardInterrupt:  # before the launch held the interrupts: one line, as for a launch stopped later
-        from .launch import launch_interrupted
-        from .train import stopped_before_start
-
         n = num_processes if type(num_processes) is int and num_processes > 0 else 0
         raise launch_interrupted(stopped_before_start(n)) from None
-    from .accelerator import state_set_aside
-    from .launch import NodeOptions
-    from .results import receive_payload
-    from .train import launch_plan, plan_nodes
-
     if plan.launch == "kernel":
         with state_set_aside():  # the function's own Accelerator is not bound by the notebook's settings
             return function(*args)
     max_bytes = 1 << 30
     filename = getattr(getattr(function, "__code__", None), "co_filename", "")
-    outcome = launch_plan(
+    spec = describe(
         FunctionBody(function, tuple(args), plan, max_bytes),
         plan,
-        cell_filename=filename,
-        source=_source(function, filename),
+        filename=filename,
         port=port,
-        max_bytes=max_bytes,
-        receive=receive_payload,
-        monitor_interval=float(monitor_interval),
+        results=Results(receive_payload, max_bytes),
+        hooks=Hooks(write_rank_text, publish_kernel_message, monitor_interval=float(monitor_interval)),
+        nodes=plan_nodes(plan, "" if rdzv_id == "none" else str(rdzv_id), (rdzv_conf or {}).get("timeout")),
+    )
+    door = FrontDoor(
         port_option="use_port",
         endpoint_option="master_addr and use_port (or rdzv_endpoint)",
-        node_options=NodeOptions(
+        nodes=NodeOptions(
             "call notebook_launcher",
             "rdzv_conf's 'timeout'",
             "node_rank",
             "num_nodes, rdzv_id and rdzv_endpoint (or master_addr and use_port)",
         ),
-        nodes=plan_nodes(plan, "" if rdzv_id == "none" else str(rdzv_id), (rdzv_conf or {}).get("timeout")),
+        source=_source(function, filename),
     )
+    outcome = launch_plan(spec, plan, door)
     if outcome.received is None:
         return None
     for skipped in outcome.received.skipped:

@@ -5,18 +5,39 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import Any
 
+from .accelerator import rank_accelerator, rank_environment, reset_state
 from .cell import CellCode
-from .plan import Plan
+from .display import launch_banner, write_rank_text
+from .launch import (
+    Hooks,
+    Launch,
+    LaunchError,
+    LaunchInterrupted,
+    LaunchOutcome,
+    NodeOptions,
+    Nodes,
+    RankBody,
+    RankFailure,
+    Ranks,
+    Results,
+    guard,
+    launch_error,
+    launch_interrupted,
+    run,
+)
+from .launch.outcome import error_line
+from .launch.relay import publish_kernel_message
+from .plan import Plan, parse_endpoint
+from .results import Received, pack_payload, receive_payload, track_prepare, unpack_results
 
-if TYPE_CHECKING:
-    from .launch import LaunchInterrupted, LaunchOutcome, NodeOptions, Nodes, RankBody
-
-__all__ = ["OneSentence", "TrainError", "CellBody", "run_in_kernel", "plan_nodes", "check_launch", "launch_ranks",
-           "launch_failure", "stopped_before_start", "launch_plan", "bring_back", "results_interrupted",
-           "run_ranks"]  # fmt: skip
+__all__ = ["OneSentence", "TrainError", "CellBody", "FrontDoor", "run_in_kernel", "plan_nodes", "describe",
+           "check_launch", "start", "launch_failure", "stopped_before_start", "launch_plan", "bring_back",
+           "results_interrupted", "run_ranks"]  # fmt: skip
 
 _MISSING = object()
 
@@ -25,8 +46,6 @@ class OneSentence(Exception):
     """An error whose message is one sentence saying what to do; IPython shows that sentence alone."""
 
     def _render_traceback_(self) -> list[str]:
-        from .launch.outcome import error_line
-
         return [error_line(type(self).__name__, str(self))]
 
 
@@ -46,8 +65,7 @@ class CellBody:
         self.registered: list[Any] = []
 
     def setup(self, rank: int) -> None:
-        from .results import track_prepare
-
+        reset_state()  # state copied from the notebook would make the rank believe it trains alone
         track_prepare(self.prepared, self.registered)
         self.ns[self.name] = self.make_accelerator()
 
@@ -55,8 +73,6 @@ class CellBody:
         exec(self.cell.code, self.ns)
 
     def results(self, rank: int, folder: str) -> bytes | None:
-        from .results import pack_payload
-
         if rank != 0 or self.returns is None:  # --no-return
             return None
         return pack_payload(
@@ -67,11 +83,9 @@ class CellBody:
 def run_in_kernel(shell: Any, cell: str, result_name: str) -> None:
     """Run the cell in the kernel like a normal cell (its errors show as a normal cell's do); how it ended goes
     to `result_name` whatever the end."""
-    from .launch import LaunchOutcome, RankFailure
-
-    start = time.perf_counter()
+    began = time.perf_counter()
     result = shell.run_cell(cell, store_history=False)
-    outcome = LaunchOutcome(1, wall_time=time.perf_counter() - start, exitcodes={0: 0 if result.success else 1})
+    outcome = LaunchOutcome(1, wall_time=time.perf_counter() - began, exitcodes={0: 0 if result.success else 1})
     err = result.error_in_exec or result.error_before_exec
     if isinstance(err, KeyboardInterrupt):
         outcome.interrupted = True
@@ -83,33 +97,67 @@ def run_in_kernel(shell: Any, cell: str, result_name: str) -> None:
     shell.user_ns[result_name] = outcome
 
 
+@dataclass(frozen=True)
+class FrontDoor:
+    """How a front door names a launch's settings in the sentences it can end with (%%accel_train's by default);
+    `source` is the file of a launched function that is not a notebook cell, which an interrupt names instead."""
+
+    port_option: str = "--port"
+    endpoint_option: str = "--rdzv-endpoint"
+    nodes: NodeOptions = NodeOptions()
+    source: str = ""
+
+
+CELL = FrontDoor()
+
+
+def versions_line() -> str:
+    """The versions a bug report needs, in one line."""
+    from .runtime import versions
+
+    return ", ".join(f"{name} {version or '-'}" for name, version in versions())
+
+
 def plan_nodes(plan: Plan, run_id: str = "", rdzv_timeout: float | None = None) -> Nodes:
     """The plan's machines as the launch sees them; the nodes wait for each other as long as a collective."""
-    from .launch import Nodes
-    from .plan import parse_endpoint
-
     if plan.num_nodes == 1:
         return Nodes()
     host, _ = parse_endpoint(plan.rdzv_endpoint)
     return Nodes(plan.num_nodes, plan.node_rank, host, run_id, rdzv_timeout or plan.timeout)
 
 
-def check_launch(plan: Plan, port: int | None, nodes: Nodes, *, port_option: str = "--port",
-                 endpoint_option: str = "--rdzv-endpoint") -> None:  # fmt: skip
-    """Raise TrainError (one sentence) when the plan's ranks cannot start here now."""
-    from .launch.guard import check_port, cuda_fork_blocker
-    from .plan import parse_endpoint
-
+def describe(body: RankBody, plan: Plan, *, filename: str, port: int | None, results: Results | None = None,
+             hooks: Hooks | None = None, nodes: Nodes | None = None) -> Launch:  # fmt: skip
+    """The launch of `body` as the plan's ranks: their environment from the plan, the machines (`nodes`, by
+    default the plan's), and the port (across machines, node 0's from the plan's endpoint)."""
+    ranks = Ranks(
+        plan.num_processes,
+        backend=plan.backend or "gloo",
+        threads=plan.threads_per_process,
+        timeout=plan.timeout,
+        env=MappingProxyType(rank_environment(plan)),
+        cpus=plan.runtime.cpu_budget,
+        max_restarts=plan.max_restarts,
+        versions=versions_line,
+    )
     if plan.num_nodes > 1:
         port = parse_endpoint(plan.rdzv_endpoint)[1]
-        if plan.node_rank == 0 and not check_port(port, nodes.host):
+    return Launch(body, ranks, filename, nodes or plan_nodes(plan), port, results or Results(), hooks or Hooks())
+
+
+def check_launch(spec: Launch, plan: Plan, door: FrontDoor = CELL) -> None:
+    """Raise TrainError (one sentence) when the launch cannot start here now."""
+    if plan.num_nodes > 1:
+        if plan.node_rank == 0 and not guard.check_port(spec.port, spec.nodes.host):
             raise TrainError(
                 f"Node 0 cannot listen on {plan.rdzv_endpoint} (not an address of this machine, or the port is in "
-                f"use): give node 0's own address and a free port in {endpoint_option}, the same on every node."
+                f"use): give node 0's own address and a free port in {door.endpoint_option}, the same on every node."
             )
-    elif port is not None and not check_port(port):
-        raise TrainError(f"Port {port} is in use: choose another with {port_option}, or leave {port_option} out.")
-    blocker = cuda_fork_blocker() if plan.device == "cuda" else None
+    elif spec.port is not None and not guard.check_port(spec.port):
+        raise TrainError(
+            f"Port {spec.port} is in use: choose another with {door.port_option}, or leave {door.port_option} out."
+        )
+    blocker = guard.cuda_fork_blocker() if plan.device == "cuda" else None
     if blocker:
         raise TrainError(
             f"{blocker}, so GPU ranks cannot be forked: restart the kernel, run %accel_setup first and keep "
@@ -117,57 +165,21 @@ def check_launch(plan: Plan, port: int | None, nodes: Nodes, *, port_option: str
         )
 
 
-def launch_ranks(body: RankBody, plan: Plan, nodes: Nodes, *, cell_filename: str, port: int | None, max_bytes: int,
-                 receive: Callable[[bytes, str], Any] | None, on_text: Callable[[int, str, str], None],
-                 on_message: Callable[[dict[str, Any]], None], on_restart: Callable[[str], None] = print,
-                 **options: Any) -> LaunchOutcome:  # fmt: skip
-    """The plan's ranks on this node, launched; how it ended (`options`: launch()'s monitor_interval, stop,
-    watch). After a rank failed, every rank starts again, as torch elastic does, up to `plan.max_restarts` times,
-    each on a fresh port unless `port` names one; `on_restart` gets one line for each restart. The outcome is the
-    last run's."""
-    from .accelerator import rank_environment
-    from .launch import launch, launch_error
-    from .plan import parse_endpoint
-
-    if plan.num_nodes > 1:
-        port = parse_endpoint(plan.rdzv_endpoint)[1]
-    env = rank_environment(plan)
-    restarts = 0
-    while True:
-        outcome = launch(
-            body,
-            plan.num_processes,
-            backend=plan.backend or "gloo",
-            threads=plan.threads_per_process,
-            timeout=plan.timeout,
-            env={**env, "TORCHELASTIC_RESTART_COUNT": str(restarts)},
-            cell_filename=cell_filename,
-            on_text=on_text,
-            on_message=on_message,
-            port=port,
-            receive=receive,
-            max_bytes=max_bytes,
-            nodes=nodes,
-            **options,
-        )
-        outcome.restarts = restarts
-        if restarts >= plan.max_restarts or outcome.ok or outcome.interrupted or not outcome.failures:
-            return outcome
-        restarts += 1
-        ranks = f"the {plan.num_processes} ranks" if plan.num_processes > 1 else "the rank"
-        on_restart(f"Restarting {ranks} ({restarts} of {plan.max_restarts}): {launch_error(outcome, plan.timeout)}")
+def start(spec: Launch, plan: Plan, door: FrontDoor = CELL) -> None:
+    """The launch's first steps in every front door: refused in one sentence (TrainError) when it cannot start
+    here, else announced by the launch banner. `launch.run(spec)` runs it next."""
+    check_launch(spec, plan, door)
+    print(launch_banner(plan))
 
 
-def launch_failure(outcome: LaunchOutcome, plan: Plan, source: str = "",
-                   node_options: NodeOptions | None = None) -> Exception | KeyboardInterrupt | None:  # fmt: skip
-    """The one exception that says how a launch went wrong (LaunchInterrupted is a KeyboardInterrupt), or None.
-    `node_options` names the settings of a launch across machines as the user gave them (None: %%accel_train's)."""
-    from .launch import LaunchError, NodeOptions, launch_error, launch_interrupted
-
+def launch_failure(outcome: LaunchOutcome, plan: Plan,
+                   door: FrontDoor = CELL) -> Exception | KeyboardInterrupt | None:  # fmt: skip
+    """The launch's last step in every front door: the one exception that says how it went wrong
+    (LaunchInterrupted is a KeyboardInterrupt), or None."""
     if outcome.interrupted:
-        return launch_interrupted(outcome, source)
+        return launch_interrupted(outcome, door.source)
     if not outcome.ok:
-        return launch_error(outcome, plan.timeout, node_options or NodeOptions())
+        return launch_error(outcome, plan.timeout, door.nodes)
     if outcome.receive_error:
         return LaunchError(
             f"rank 0's results could not be read back ({outcome.receive_error}); nothing in the notebook changed.",
@@ -178,42 +190,19 @@ def launch_failure(outcome: LaunchOutcome, plan: Plan, source: str = "",
 
 def stopped_before_start(num_processes: int, first_rank: int = 0) -> LaunchOutcome:
     """The outcome of a launch interrupted before any of its ranks started."""
-    from .launch import LaunchOutcome
-
     return LaunchOutcome(num_processes, first_rank, interrupted=True)
 
 
-def launch_plan(body: RankBody, plan: Plan, *, cell_filename: str, port: int | None, max_bytes: int,
-                receive: Callable[[bytes, str], Any] | None, monitor_interval: float = 0.05,
-                port_option: str = "--port", endpoint_option: str = "--rdzv-endpoint",
-                nodes: Nodes | None = None, source: str = "",
-                node_options: NodeOptions | None = None) -> LaunchOutcome:  # fmt: skip
-    """Launch `body` as the plan's ranks, with the launch banner first. Raises TrainError before anything
-    starts, LaunchError when the launch failed, LaunchInterrupted (a KeyboardInterrupt) when it was interrupted;
-    both carry the outcome. `source` is the file of a launched function that is not a notebook cell, which the
-    interrupt's message names instead of the cell."""
-    from .display import launch_banner, write_rank_text
-    from .launch.relay import publish_kernel_message
-
-    nodes = nodes or plan_nodes(plan)
+def launch_plan(spec: Launch, plan: Plan, door: FrontDoor = CELL) -> LaunchOutcome:
+    """The launch in the foreground, start to end: `start`, `launch.run`, `launch_failure`. Raises TrainError
+    before anything starts, LaunchError when the launch failed, LaunchInterrupted (a KeyboardInterrupt) when it
+    was interrupted; both carry the outcome."""
     try:
-        check_launch(plan, port, nodes, port_option=port_option, endpoint_option=endpoint_option)
-        print(launch_banner(plan))
-        outcome = launch_ranks(
-            body,
-            plan,
-            nodes,
-            cell_filename=cell_filename,
-            port=port,
-            max_bytes=max_bytes,
-            receive=receive,
-            on_text=write_rank_text,
-            on_message=publish_kernel_message,
-            monitor_interval=monitor_interval,
-        )
+        start(spec, plan, door)
+        outcome = run(spec)
     except KeyboardInterrupt:  # before the launch held the kernel's interrupts (it returns those it held)
-        outcome = stopped_before_start(plan.num_processes, nodes.rank * plan.num_processes)
-    failure = launch_failure(outcome, plan, source, node_options)
+        outcome = stopped_before_start(plan.num_processes, spec.first_rank)
+    failure = launch_failure(outcome, plan, door)
     if failure is not None:
         raise failure
     return outcome
@@ -227,9 +216,6 @@ def bring_back(outcome: LaunchOutcome, ns: dict[str, Any], before: Mapping[str, 
     listed as not applied, found in `held_in` (such as "accel_result.results"). The kernel's interrupts are held
     meanwhile: after one, the names not yet applied are left as they were, listed as not applied, and the outcome
     is marked interrupted."""
-    from .launch.guard import Interrupts
-    from .results import Received, unpack_results
-
     received = outcome.received
     if received is None:
         return [], {}
@@ -251,7 +237,7 @@ def bring_back(outcome: LaunchOutcome, ns: dict[str, Any], before: Mapping[str, 
     apply, skipped = unpack_results(Received(tuple(items), received.skipped, received.seconds), ns)
     rebound = [(n, f"rebound in the notebook since the launch started; the launch's is {held_in}[{n!r}]") for n in held]
     started = time.perf_counter()
-    interrupts = Interrupts.hold()  # within the caller's hold, if it has one: the same interrupts
+    interrupts = guard.Interrupts.hold()  # within the caller's hold, if it has one: the same interrupts
     try:
         done = set(apply(interrupts.stop.is_set))
     finally:
@@ -271,8 +257,6 @@ NOT_APPLIED = "the interrupt came before it was applied; it was left as it was"
 def results_interrupted(outcome: LaunchOutcome) -> LaunchInterrupted:
     """The one line for an interrupt that came while rank 0's results were applied: which names were, which
     were left as they were."""
-    from .launch import LaunchInterrupted
-
     n = outcome.num_processes
     left = [name for name, why in outcome.skipped if why == NOT_APPLIED]
     received = outcome.received.items if outcome.received is not None else ()
@@ -292,11 +276,6 @@ def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name:
     """Run the cell as the plan's ranks and apply rank 0's results to the notebook at once (nothing changes
     when the launch fails or is interrupted; an interrupt while they are applied leaves each name applied in full
     or as it was). `result_name` gets the outcome of every launch that ran, or was stopped before it could."""
-    from .accelerator import rank_accelerator
-    from .launch import LaunchError, LaunchInterrupted, launch_interrupted
-    from .launch.guard import Interrupts
-    from .results import receive_payload
-
     ns = shell.user_ns
     notebook = {id(v): (k, v) for k, v in ns.items() if not k.startswith("_")}
     body = CellBody(
@@ -310,10 +289,12 @@ def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name:
     )
     outcome = None
     try:
+        hooks = Hooks(on_text=write_rank_text, on_message=publish_kernel_message)
+        results = Results(receive_payload, max_bytes)
         outcome = launch_plan(
-            body, plan, cell_filename=code.filename, port=port, max_bytes=max_bytes, receive=receive_payload
+            describe(body, plan, filename=code.filename, port=port, results=results, hooks=hooks), plan
         )
-        interrupts = Interrupts.hold()  # from the launch's end: each name is applied in full or left as it was
+        interrupts = guard.Interrupts.hold()  # from the launch's end: each name is applied in full or left as it was
     except (LaunchError, LaunchInterrupted) as err:  # a launch that ran and ended badly is an outcome too
         if err.outcome is not None:
             ns[result_name] = err.outcome

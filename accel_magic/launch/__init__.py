@@ -12,7 +12,7 @@ from threading import Event
 from typing import Any
 
 from . import elastic, guard
-from .elastic import ONE_NODE, Nodes
+from .elastic import Nodes
 from .outcome import (
     LaunchError,
     LaunchInterrupted,
@@ -26,10 +26,15 @@ from .outcome import (
 from .peers import Peers, reach_node0
 from .rank import RankBody, RankProgram
 from .relay import Pipes, Relay
+from .spec import Hooks, Launch, Ranks, Results
 from .workdir import Workdir
 
 __all__ = [
-    "launch",
+    "run",
+    "Launch",
+    "Ranks",
+    "Results",
+    "Hooks",
     "Nodes",
     "LaunchError",
     "LaunchInterrupted",
@@ -42,37 +47,38 @@ __all__ = [
 ]
 
 
-def launch(
-    body: RankBody,
-    nprocs: int,
-    *,
-    backend: str,
-    threads: int,
-    timeout: float,
-    env: dict[str, str],
-    cell_filename: str,
-    on_text: Callable[[int, str, str], None],
-    on_message: Callable[[dict[str, Any]], None],
-    port: int | None = None,
-    receive: Callable[[bytes, str], Any] | None = None,
-    max_bytes: int = 0,
-    monitor_interval: float = 0.05,
-    nodes: Nodes = ONE_NODE,
-    stop: Event | None = None,
-    watch: Callable[[Relay], None] | None = None,
-) -> LaunchOutcome:
-    """Run `body` in `nprocs` forked ranks that form one process group (with the ranks of the other `nodes`,
-    whose launches meet at node 0's `port`). What this node's first rank's `body.results` returns (bytes) and
-    the files it wrote in the folder it is given reach `receive(payload, folder)` in the kernel, whose answer
-    is `outcome.received`. The agent checks on the ranks every `monitor_interval` seconds. The kernel is left
-    as it was: no process, port, file or handler.
+def run(spec: Launch) -> LaunchOutcome:
+    """Run the launch and return how it ended. After a rank failed, every rank starts again, as torch elastic
+    does, up to `spec.ranks.max_restarts` times (TORCHELASTIC_RESTART_COUNT in their environment), each on a fresh
+    port unless the launch names one; `hooks.on_restart` gets one line for each. The outcome is the last start's."""
+    ranks = spec.ranks
+    restarts = 0
+    while True:
+        outcome = _start(spec, {**ranks.env, "TORCHELASTIC_RESTART_COUNT": str(restarts)})
+        outcome.restarts = restarts
+        if restarts >= ranks.max_restarts or outcome.ok or outcome.interrupted or not outcome.failures:
+            return outcome
+        restarts += 1
+        which = f"the {ranks.num_processes} ranks" if ranks.num_processes > 1 else "the rank"
+        spec.hooks.on_restart(
+            f"Restarting {which} ({restarts} of {ranks.max_restarts}): {launch_error(outcome, ranks.timeout)}"
+        )
+
+
+def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
+    """Run `spec.body` in this node's ranks, forked, that form one process group (with the ranks of the other
+    nodes, whose launches meet at node 0's port), each with `env`. What this node's first rank's `body.results`
+    returns (bytes) and the files it wrote in the folder it is given reach `spec.results.receive(payload,
+    folder)` in the kernel, whose answer is `outcome.received`. The kernel is left as it was: no process, port,
+    file or handler.
 
     In the kernel's main thread, an interrupt stops the ranks (a second one stops them at once) whenever it comes:
     the kernel's interrupts are held from here to the end, so none cuts a step short, and any of them marks the
-    outcome interrupted. In another thread (a background launch), setting `stop` does, and `watch(relay)` sees
-    which ranks have started and ended after every poll; the ranks then leave the kernel's process group, so the
-    kernel's interrupts reach only the kernel."""
-    first = nodes.rank * nprocs
+    outcome interrupted. In another thread (a background launch), setting `hooks.stop` does, and
+    `hooks.watch(relay)` sees which ranks have started and ended after every poll; the ranks then leave the
+    kernel's process group, so the kernel's interrupts reach only the kernel."""
+    nprocs, nodes, port, hooks = spec.ranks.num_processes, spec.nodes, spec.port, spec.hooks
+    first = spec.first_rank
     outcome = LaunchOutcome(nprocs, first, nodes.count, nodes.endpoint(port or 0) if nodes.count > 1 else "")
     if nodes.count > 1:
         outcome.rdzv_timeout = nodes.wait
@@ -97,9 +103,9 @@ def launch(
             return guard.family(list(relay.started.values()))
         return guard.descendants(known)
 
-    interrupts = guard.Interrupts.hold(stop)
+    interrupts = guard.Interrupts.hold(hooks.stop)
     try:
-        workdir = Workdir(max_bytes)
+        workdir = Workdir(spec.results.max_bytes)
         pipes = Pipes.open(nprocs)
         if nodes.rank == 0:  # this node hosts the rendezvous
             sock = guard.listener(port, nodes.host)
@@ -108,12 +114,11 @@ def launch(
             if fd is None:
                 sock.close()  # an older torch: its static store binds the port itself
         assert port is not None, "a node other than 0 connects to node 0's port"
-        program = RankProgram(body, pipes, workdir, env, threads, backend, timeout, cell_filename, port, first,
-                              detach=background)  # fmt: skip
-        relay = Relay(pipes, on_text, on_message, first)
+        program = RankProgram(spec, env, pipes, workdir, port, detach=background)
+        relay = Relay(pipes, hooks.on_text, hooks.on_message, first)
         with guard.kernel_state_kept(all_env=not background):
             logs = os.path.join(workdir.path, "logs")
-            config = elastic.launch_config(nprocs, port, logs, monitor_interval, fd, nodes)
+            config = elastic.launch_config(nprocs, port, logs, hooks.monitor_interval, fd, nodes)
 
             def accel_train() -> None:  # torch's agent names its entrypoint after the function
                 program()
@@ -127,8 +132,8 @@ def launch(
             del config
             while not done.is_set() and not interrupts.stop.is_set():
                 relay.poll(0.05)
-                if watch is not None:
-                    watch(relay)
+                if hooks.watch is not None:
+                    hooks.watch(relay)
                 if peers is not None:
                     _exchange(peers, relay, workdir, ours, elastic.served_store(fd))
             if interrupts.stop.is_set() and (interrupts.count or not done.is_set()):
@@ -159,8 +164,8 @@ def launch(
             if workdir is not None:
                 try:
                     collect(outcome, {r: workdir.records(r) for r in outcome.ranks})
-                    if outcome.ok and receive is not None:
-                        _receive(outcome, workdir, receive)
+                    if outcome.ok and spec.results.receive is not None:
+                        _receive(outcome, workdir, spec.results.receive)
                 finally:
                     workdir.remove()
             outcome.cleanup_time = time.perf_counter() - cleanup_started

@@ -12,13 +12,16 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from . import shm
 from .guard import REAL_EXIT
 from .outcome import FailureKind, RankFailure
 from .relay import Pipes, capture_kernel_messages, frame
 from .workdir import Workdir
+
+if TYPE_CHECKING:
+    from .spec import Launch
 
 __all__ = ["RankBody", "RankProgram", "INTERNAL_EXIT"]
 
@@ -37,7 +40,7 @@ class RankBody(Protocol):
     """What a launch runs in each rank, in three steps the rank tells apart. `rank` is the rank's place on this
     node (LOCAL_RANK): the results of the first go back to this node's kernel."""
 
-    def setup(self, rank: int) -> None: ...  # before the cell: e.g. a fresh accelerator
+    def setup(self, rank: int) -> None: ...  # before the cell, in the group: e.g. a fresh accelerator
     def run(self) -> None: ...  # the user's cell
     def results(self, rank: int, folder: str) -> bytes | None: ...  # after it: what goes back to the kernel
 
@@ -102,13 +105,6 @@ def detach_from_kernel(kernel: int) -> None:
             REAL_EXIT(1)
 
 
-def versions_line() -> str:
-    """The versions a bug report needs, in one line."""
-    from ..runtime import versions
-
-    return ", ".join(f"{name} {version or '-'}" for name, version in versions())
-
-
 def listening_fds(port: int) -> list[int]:
     """This process's sockets listening on `port` (IPv4 or IPv6): in a rank, the kernel's rendezvous store,
     inherited through fork, which the rank must not keep listening."""
@@ -143,12 +139,11 @@ def _flush() -> None:
 class RankProgram:
     """Everything a rank needs, inherited through fork; calling it runs the rank whose RANK the agent set."""
 
-    def __init__(self, body: RankBody, pipes: Pipes, workdir: Workdir, env: dict[str, str], threads: int,
-                 backend: str, timeout: float, cell_filename: str, port: int, first_rank: int = 0,
+    def __init__(self, spec: Launch, env: dict[str, str], pipes: Pipes, workdir: Workdir, port: int,
                  detach: bool = False):  # fmt: skip
-        self.body, self.pipes, self.workdir, self.env = body, pipes, workdir, env
-        self.threads, self.backend, self.timeout, self.cell_filename = threads, backend, timeout, cell_filename
-        self.port, self.first_rank, self.detach = port, first_rank, detach
+        self.spec, self.body, self.ranks, self.env = spec, spec.body, spec.ranks, env
+        self.pipes, self.workdir, self.port, self.detach = pipes, workdir, port, detach
+        self.first_rank, self.cell_filename = spec.first_rank, spec.filename
         self.kernel = os.getpid()
 
     def __call__(self) -> None:
@@ -220,14 +215,11 @@ class RankProgram:
         import torch
         import torch.distributed as dist
 
-        from ..accelerator import reset_state
-
-        torch.set_num_threads(self.threads)
-        reset_state()  # state copied from the notebook would make the rank believe it trains alone
+        torch.set_num_threads(self.ranks.threads)
         if not dist.is_initialized():
-            dist.init_process_group(self.backend, timeout=timedelta(seconds=self.timeout))
+            dist.init_process_group(self.ranks.backend, timeout=timedelta(seconds=self.ranks.timeout))
         if os.environ.get(shm.ENV) == "shm" and dist.get_world_size() > 1:
-            shm.install(self.workdir.segment, self.timeout)
+            shm.install(self.workdir.segment, self.ranks.timeout, self.ranks.cpus)
         self.body.setup(local)
 
     def _run_cell(self, rank: int) -> None:
@@ -259,7 +251,7 @@ class RankProgram:
             return RankFailure(rank, 1, kind, summary, tb, time.time())
         tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
         return RankFailure(rank, INTERNAL_EXIT, "internal", f"{phase} the cell ran: {summary}", tb, time.time(),
-                           versions_line())  # fmt: skip
+                           self.ranks.versions())  # fmt: skip
 
     def _record(self, kind: Any, rank: int, record: Any) -> None:
         """Write a record; when even that fails, say so on the rank's stderr (the cell's output)."""

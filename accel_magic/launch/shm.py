@@ -38,10 +38,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
-
-from ..runtime import cpu_budget
 
 __all__ = ["ENV", "PEER_ENDED", "Segment", "Region", "install", "watch", "has_comm_hook", "alive", "spin"]
 
@@ -299,15 +296,17 @@ def watch(model: Any, segment: Segment) -> None:
     model.register_comm_hook = register_comm_hook
 
 
-def install(path: str, timeout: float) -> None:
+def install(path: str, timeout: float, cpus: int | None = None) -> None:
     """In a rank, once its process group is up: every DistributedDataParallel model built from now on averages its
-    gradients through the segment at `path`, waiting at most `timeout` seconds for the other ranks."""
+    gradients through the segment at `path`, waiting at most `timeout` seconds for the other ranks; `cpus` is
+    the machine's CPU budget (by default the CPUs this process may run on), which tells whether a waiting rank
+    may spin."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     world = dist.get_world_size()
-    cpus = cpu_budget(os.environ, Path("/"), len(os.sched_getaffinity(0)))
+    cpus = cpus or len(os.sched_getaffinity(0))
     segment = Segment(path, dist.get_rank(), world, timeout, spin(world, torch.get_num_threads(), cpus))
     with contextlib.suppress(Exception):  # short sleeps while waiting, without oversleeping a peer's flag
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)

@@ -76,6 +76,38 @@ def test_the_package_has_no_import_cycle() -> None:
             visit(name, [])
 
 
+def test_launch_is_a_leaf_that_imports_nothing_of_the_package_outside_itself() -> None:
+    """What a launch needs of accelerate and of the runtime is handed in with its description (launch.spec), so
+    the next front door reuses the launch as it is."""
+    launch = {name for name in MODULES if name == "accel_magic.launch" or name.startswith("accel_magic.launch.")}
+    assert len(launch) > 5
+    outside = {name: package_imports(name) - launch - {"accel_magic"} for name in launch}
+    assert not {name: found for name, found in outside.items() if found}, outside
+
+
+def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    args = function.args
+    names = args.posonlyargs + args.args + args.kwonlyargs + [a for a in (args.vararg, args.kwarg) if a]
+    return len([a for a in names if a.arg not in ("self", "cls")])
+
+
+def test_no_function_or_class_but_the_public_notebook_launcher_takes_more_than_8_parameters() -> None:
+    """A launch's settings travel as one description (launch.spec.Launch), not as long argument lists; only
+    the drop-in keeps accelerate's signature, and a stand-in keeps the one it replaces. (Records of plain data, the dataclasses, are built by keyword.)"""
+    wide: dict[str, int] = {}
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                wide[f"{name}.{node.name}"] = _parameters(node)
+    others = {
+        "accel_magic.launcher.notebook_launcher": "accelerate's",
+        "accel_magic.launch.relay.send": "jupyter_client's Session.send, which it stands in for in rank 0",
+    }
+    assert all(wide[where] > 8 for where in others)  # the check sees signatures
+    over = {where: n for where, n in wide.items() if n > 8 and where not in others}
+    assert not over, over
+
+
 def test_plan_and_runtime_import_nothing_of_ipython_or_the_launcher() -> None:
     for name in ("accel_magic.plan", "accel_magic.runtime", "accel_magic.cell", "accel_magic.export"):
         text = MODULES[name].read_text()
