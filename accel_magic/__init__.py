@@ -33,7 +33,7 @@ def _show_with_hint(shell: Any, etype: type, value: BaseException, tb: Any, tb_o
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    from .launch import guard  # noqa: F401  (every fork in the kernel waits for its output streams from here on)
+    from .launch import forks  # noqa: F401  (every fork in the kernel waits for its output streams from here on)
     from .magics import AccelMagics
 
     if NVML_CHECK not in os.environ:

@@ -25,12 +25,14 @@ from .launch import (
     RankFailure,
     Ranks,
     Results,
-    guard,
+    forks,
     launch_error,
     launch_interrupted,
     run,
 )
+from .launch.interrupts import Interrupts
 from .launch.outcome import error_line
+from .launch.ports import check_port
 from .launch.relay import publish_kernel_message
 from .plan import Plan, parse_endpoint
 from .results import Received, pack_payload, receive_payload, track_prepare, unpack_results
@@ -148,16 +150,16 @@ def describe(body: RankBody, plan: Plan, *, filename: str, port: int | None, res
 def check_launch(spec: Launch, plan: Plan, door: FrontDoor = CELL) -> None:
     """Raise TrainError (one sentence) when the launch cannot start here now."""
     if plan.num_nodes > 1:
-        if plan.node_rank == 0 and not guard.check_port(spec.port, spec.nodes.host):
+        if plan.node_rank == 0 and not check_port(spec.port, spec.nodes.host):
             raise TrainError(
                 f"Node 0 cannot listen on {plan.rdzv_endpoint} (not an address of this machine, or the port is in "
                 f"use): give node 0's own address and a free port in {door.endpoint_option}, the same on every node."
             )
-    elif spec.port is not None and not guard.check_port(spec.port):
+    elif spec.port is not None and not check_port(spec.port):
         raise TrainError(
             f"Port {spec.port} is in use: choose another with {door.port_option}, or leave {door.port_option} out."
         )
-    blocker = guard.cuda_fork_blocker() if plan.device == "cuda" else None
+    blocker = forks.cuda_fork_blocker() if plan.device == "cuda" else None
     if blocker:
         raise TrainError(
             f"{blocker}, so GPU ranks cannot be forked: restart the kernel, run %accel_setup first and keep "
@@ -237,7 +239,7 @@ def bring_back(outcome: LaunchOutcome, ns: dict[str, Any], before: Mapping[str, 
     apply, skipped = unpack_results(Received(tuple(items), received.skipped, received.seconds), ns)
     rebound = [(n, f"rebound in the notebook since the launch started; the launch's is {held_in}[{n!r}]") for n in held]
     started = time.perf_counter()
-    interrupts = guard.Interrupts.hold()  # within the caller's hold, if it has one: the same interrupts
+    interrupts = Interrupts.hold()  # within the caller's hold, if it has one: the same interrupts
     try:
         done = set(apply(interrupts.stop.is_set))
     finally:
@@ -294,7 +296,7 @@ def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name:
         outcome = launch_plan(
             describe(body, plan, filename=code.filename, port=port, results=results, hooks=hooks), plan
         )
-        interrupts = guard.Interrupts.hold()  # from the launch's end: each name is applied in full or left as it was
+        interrupts = Interrupts.hold()  # from the launch's end: each name is applied in full or left as it was
     except (LaunchError, LaunchInterrupted) as err:  # a launch that ran and ended badly is an outcome too
         if err.outcome is not None:
             ns[result_name] = err.outcome

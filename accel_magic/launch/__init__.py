@@ -11,8 +11,10 @@ from functools import partial
 from threading import Event
 from typing import Any
 
-from . import elastic, guard
+from . import elastic, processes
 from .elastic import Nodes
+from .interrupts import Interrupts
+from .kernel import kernel_state_kept
 from .outcome import (
     LaunchError,
     LaunchInterrupted,
@@ -24,6 +26,7 @@ from .outcome import (
     launch_interrupted,
 )
 from .peers import Peers, reach_node0
+from .ports import listener
 from .rank import RankBody, RankProgram
 from .relay import Pipes, Relay
 from .spec import Hooks, Launch, Ranks, Results
@@ -87,7 +90,7 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
         outcome.agent_error = f"node 0 did not answer within {nodes.wait} s"
         outcome.wall_time = time.perf_counter() - started
         return outcome
-    known = {p.pid for p in guard.descendants(set())}
+    known = {p.pid for p in processes.descendants(set())}
     workdir: Workdir | None = None
     pipes: Pipes | None = None
     relay: Relay | None = None
@@ -100,15 +103,15 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
         background, once every rank has said hello, those ranks and their children alone (the notebook's other
         cells start processes of their own meanwhile)."""
         if background and relay is not None and len(relay.started) == nprocs:
-            return guard.family(list(relay.started.values()))
-        return guard.descendants(known)
+            return processes.family(list(relay.started.values()))
+        return processes.descendants(known)
 
-    interrupts = guard.Interrupts.hold(hooks.stop)
+    interrupts = Interrupts.hold(hooks.stop)
     try:
         workdir = Workdir(spec.results.max_bytes)
         pipes = Pipes.open(nprocs)
         if nodes.rank == 0:  # this node hosts the rendezvous
-            sock = guard.listener(port, nodes.host)
+            sock = listener(port, nodes.host)
             port = sock.getsockname()[1]
             fd = sock.detach() if elastic.bound_rendezvous() else None
             if fd is None:
@@ -116,7 +119,7 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
         assert port is not None, "a node other than 0 connects to node 0's port"
         program = RankProgram(spec, env, pipes, workdir, port, detach=background)
         relay = Relay(pipes, hooks.on_text, hooks.on_message, first)
-        with guard.kernel_state_kept(all_env=not background):
+        with kernel_state_kept(all_env=not background):
             logs = os.path.join(workdir.path, "logs")
             config = elastic.launch_config(nprocs, port, logs, hooks.monitor_interval, fd, nodes)
 
@@ -158,7 +161,7 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
                 elastic.release_socket(fd)
             leftovers = ours()
             if leftovers:
-                guard.stop(leftovers, hurry=interrupts.again)
+                processes.stop(leftovers, hurry=interrupts.again)
             if interrupts.count:  # also one that came while the ranks ended on their own: nothing comes back
                 outcome.interrupted = True
             if workdir is not None:
@@ -179,7 +182,7 @@ def _interrupt(relay: Relay, done: Event, ours: Callable[[], list[Any]], nprocs:
                grace: float = 1.0) -> None:  # fmt: skip
     """Interrupt the ranks (the front end may not have) and give them `grace` seconds to end on their own, each
     with a record of where its cell was; what is left is stopped after, at once after a second interrupt."""
-    guard.interrupt(ours())
+    processes.interrupt(ours())
     deadline = time.monotonic() + grace
     while not done.is_set() and len(relay.ended) < nprocs and time.monotonic() < deadline and not again.is_set():
         relay.poll(0.05)
@@ -190,7 +193,7 @@ def _stop(done: Event, ours: Callable[[], list[Any]], again: Event, wait: float 
     most `wait` seconds; the cleanup stops what is left after that."""
     deadline = time.monotonic() + wait
     while True:
-        guard.stop(ours(), hurry=again)
+        processes.stop(ours(), hurry=again)
         if done.wait(0.1) or time.monotonic() >= deadline:
             return
 
@@ -205,7 +208,7 @@ def _exchange(peers: Peers, relay: Relay, workdir: Workdir, ours: Callable[[], l
     if peers.failure:
         if not peers.acted:
             peers.acted = True
-            guard.terminate(ours())
+            processes.terminate(ours())
         return
     if peers.told:
         return

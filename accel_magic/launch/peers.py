@@ -8,7 +8,7 @@ others to finish with it): a store call that fails makes torch log a long C++ wa
 The first rank's hello starts these calls while the agent may still be forking the next ranks. A rank forked in
 the middle of a store call can inherit a lock that the call holds in torch's C++ code and wait on it for ever
 (seen: node 0's second rank stuck in `init_process_group`, and every other rank waiting for it in gloo's
-connect). So each store call holds `_STORE_CALL`, and every fork waits for it (`guard.FORK_WAITS_FOR`)."""
+connect). So each store call holds `_STORE_CALL`, and every fork waits for it (`forks.FORK_WAITS_FOR`)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from . import guard
 from .elastic import Nodes
+from .forks import FORK_WAITS_FOR
 
 __all__ = ["Peers", "reach_node0"]
 
@@ -28,7 +28,7 @@ POLL = 0.2  # seconds between two looks at the store
 LINGER = 5.0  # seconds node 0 serves the store, at most, after its own launch ended
 
 _STORE_CALL = threading.Lock()  # held by each store call here; every fork in the kernel waits for it
-guard.FORK_WAITS_FOR.append(_STORE_CALL)
+FORK_WAITS_FOR.append(_STORE_CALL)
 
 
 def reach_node0(nodes: Nodes, port: int) -> bool:

@@ -15,8 +15,8 @@ import traceback
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from . import shm
-from .guard import REAL_EXIT
 from .outcome import FailureKind, RankFailure
+from .processes import REAL_EXIT
 from .relay import Pipes, capture_kernel_messages, frame
 from .workdir import Workdir
 

@@ -167,7 +167,7 @@ def test_bad_input_shows_no_traceback(ip, capsys) -> None:
 def test_fake_gpu_kernel_that_touched_cuda_refuses_to_fork_gpu_ranks(ip, monkeypatch: pytest.MonkeyPatch) -> None:
     """No GPU here: a fake 2xT4 runtime is probed, and the fork check is faked to report a poisoned kernel."""
     from accel_magic import magics
-    from accel_magic.launch import guard
+    from accel_magic.launch import forks as guard
     from accel_magic.runtime import GPU, Runtime
 
     fake_two_t4 = Runtime(

@@ -15,8 +15,8 @@ import pytest
 
 import accel_magic
 from accel_magic.launch import elastic, rank
-from accel_magic.launch.guard import check_port, listener
 from accel_magic.launch.outcome import LaunchOutcome, RankFailure, launch_error
+from accel_magic.launch.ports import check_port, listener
 
 REPO = Path(accel_magic.__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ def test_across_machines_the_rendezvous_waits_the_whole_seconds_of_the_timeout_n
 FORK_CHECK = """
 import json, sys
 import psutil, torch
-from accel_magic.launch import guard
+from accel_magic.launch import forks as guard
 exec(sys.argv[1])  # what the kernel asked torch before the check
 answer = guard.cuda_fork_blocker()
 children = [p.pid for p in psutil.Process().children(recursive=True)]
@@ -208,7 +208,7 @@ def test_the_kernels_interrupts_are_counted_while_held_and_raised_again_after() 
     import signal
     import time
 
-    from accel_magic.launch.guard import Interrupts
+    from accel_magic.launch.interrupts import Interrupts
 
     # a kernel's own handler, whatever started these tests (a shell's background job starts with SIGINT ignored)
     outside = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -240,7 +240,7 @@ def test_stop_kills_a_process_that_ignores_sigterm_at_once_when_hurried() -> Non
 
     import psutil
 
-    from accel_magic.launch.guard import stop
+    from accel_magic.launch.processes import stop
 
     code = "import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint(flush=True)\ntime.sleep(60)"
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
