@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
+import inspect
 import os
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import nbformat
 import pytest
+from jupyter_client.manager import AsyncKernelManager, start_new_kernel
+from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 
 
@@ -32,21 +39,131 @@ class Cells:
         return "".join(parts)
 
 
+def _environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment a kernel is started in, but for pytest's name of the test that runs now."""
+    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+# The kernel a notebook has once it imported torch, as most do in their first cell: torch is imported before
+# ipykernel starts (nothing in the user's namespace, no cell run), which spares each test about 1.6 s here. A
+# test about the kernel before torch is imported is marked `fresh_kernel` and gets ipykernel's own start.
+WARM = """import sys
+if sys.path and sys.path[0] == "":
+    del sys.path[0]  # as ipykernel_launcher does
+import torch
+from ipykernel import kernelapp
+kernelapp.launch_new_instance()
+"""
+
+
+class WarmKernelManager(AsyncKernelManager):
+    """A kernel whose process imported torch before ipykernel started (python -c WARM instead of
+    python -m ipykernel_launcher)."""
+
+    def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+        cmd = super().format_kernel_cmd(extra_arguments)
+        assert cmd[1:3] == ["-m", "ipykernel_launcher"], cmd
+        return [cmd[0], "-c", WARM, *cmd[3:]]
+
+
+def start_kernel(env: Mapping[str, str] | None = None) -> AsyncKernelManager:
+    km = WarmKernelManager(kernel_name="python3")
+    run_sync(km.start_kernel)(env=dict(env or os.environ))
+    return km
+
+
+@dataclass
+class Spare:
+    """A kernel started ahead for one test, in the environment, folder and kind that test was expected to ask."""
+
+    km: AsyncKernelManager
+    env: dict[str, str]
+    cwd: str
+
+
+class SpareKernels:
+    """While a test runs, the warm kernel of the test after it starts (about 2.3 s here), so its start-up
+    overlaps the cells of this one instead of adding to the next. A test takes its spare only when it asks for
+    a kernel in exactly the environment and folder the spare was started in (its own TMPDIR included);
+    otherwise the spare is shut down and a warm kernel is started then. A `fresh_kernel` test gets no spare:
+    its kernels start as before, by nbclient's or jupyter_client's own start. Either way every test gets
+    kernels of its own, and no kernel ever ran another test's cell."""
+
+    def __init__(self) -> None:
+        self.spares: dict[str, Spare] = {}  # nodeid -> the spare started for that test
+        self.tmpdirs: dict[str, Path] = {}  # nodeid -> the folder its spare was started in
+        self.current = ""
+        self.warm = True
+
+    def begin(self, item: pytest.Item, following: pytest.Item | None, tmpdir: Path) -> None:
+        """`item` runs now; start the kernel of `following` in `tmpdir`, its folder to be."""
+        self.current, self.warm = item.nodeid, _warm(item)
+        self.discard(keep=item.nodeid)
+        if following is not None and _warm(following):
+            env = {**os.environ, "TMPDIR": str(tmpdir)}
+            self.spares[following.nodeid] = Spare(start_kernel(env), env, os.getcwd())
+            self.tmpdirs[following.nodeid] = tmpdir
+
+    def take(self) -> AsyncKernelManager | None:
+        """The running test's spare, when it was started as the test would start a kernel now, else a warm
+        kernel started now; None for a `fresh_kernel` test, whose kernels start as ipykernel's own do."""
+        spare = self.spares.pop(self.current, None)
+        if spare is not None:
+            same = _environment(spare.env) == _environment(os.environ) and spare.cwd == os.getcwd()
+            if same and run_sync(spare.km.is_alive)():
+                return spare.km
+            run_sync(spare.km.shutdown_kernel)(now=True)
+        return start_kernel() if self.warm else None
+
+    def discard(self, keep: str = "") -> None:
+        for nodeid in [n for n in self.spares if n != keep]:
+            run_sync(self.spares.pop(nodeid).km.shutdown_kernel)(now=True)
+
+
+def _warm(item: pytest.Item) -> bool:
+    return item.get_closest_marker("fresh_kernel") is None
+
+
+SPARES = SpareKernels()
+atexit.register(SPARES.discard)
+
+
 def run_cells(*sources: str, timeout: int = 300, allow_errors: bool = False) -> Cells:
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=allow_errors)
-    client.execute()
+    km = SPARES.take()
+    client = NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3", allow_errors=allow_errors)
+    try:
+        client.execute()
+    finally:
+        if km is not None:  # the client shuts down only the kernels it started
+            if client.kc is not None:
+                client.kc.stop_channels()
+            run_sync(km.shutdown_kernel)(now=True)
     return Cells(nb)
 
 
 @pytest.fixture(autouse=True)
-def private_tmpdir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Any:
+def private_tmpdir(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    environment_on_path: None,
+) -> Any:
     """Each test's kernel gets its own temp folder (the kernel inherits TMPDIR), so what a launch leaves
-    behind is told apart from other programs' files."""
-    path = tmp_path_factory.mktemp("kernel_tmp")
+    behind is told apart from other programs' files; the next test's folder is made now, and its kernel started
+    in it (SpareKernels)."""
+    path = SPARES.tmpdirs.pop(request.node.nodeid, None) or tmp_path_factory.mktemp("kernel_tmp")
     monkeypatch.setenv("TMPDIR", str(path))
+    SPARES.begin(request.node, NEXT.pop(request.node.nodeid, None), tmp_path_factory.mktemp("kernel_tmp"))
     return path
+
+
+NEXT: dict[str, pytest.Item | None] = {}  # each test's nodeid -> the kernel test that runs after it
+
+
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    NEXT[item.nodeid] = nextitem if nextitem is not None and "private_tmpdir" in nextitem.fixturenames else None
 
 
 @pytest.fixture(autouse=True)
@@ -61,13 +178,29 @@ def kernel_run():
     return run_cells
 
 
+class Blocking:
+    """A spare kernel's AsyncKernelManager, its coroutine methods called as a KernelManager's are."""
+
+    def __init__(self, km: AsyncKernelManager) -> None:
+        self._km = km
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._km, name)
+        return run_sync(attr) if inspect.iscoroutinefunction(attr) else attr
+
+
 class LiveKernel:
     """A real ipykernel driven message by message (for interrupts and timing), as a front end does."""
 
     def __init__(self) -> None:
-        from jupyter_client.manager import start_new_kernel
-
-        self.km, self.kc = start_new_kernel(kernel_name="python3")
+        km = SPARES.take()
+        if km is None:
+            self.km, self.kc = start_new_kernel(kernel_name="python3")
+            return
+        self.km = Blocking(km)
+        self.kc = km.blocking_client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
 
     def execute(self, code: str, timeout: float = 120) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         msg_id = self.kc.execute(code, stop_on_error=False)  # ipykernel would refuse a cell sent just after an error

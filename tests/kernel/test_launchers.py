@@ -304,6 +304,7 @@ def test_interrupting_the_drop_in_stops_every_rank_within_seconds(live_kernel) -
     assert live_kernel.text("print(psutil.Process().children(recursive=True))").strip() == "[]"
 
 
+@pytest.mark.fresh_kernel  # the first launch imports torch before it forks
 def test_interrupting_the_drop_in_as_it_starts_ends_in_one_line_and_leaves_nothing(live_kernel) -> None:
     import time
 

@@ -121,6 +121,7 @@ def test_interrupt_mid_training_leaves_the_kernel_clean(live_kernel) -> None:
     assert live_kernel.text("print(settled(before), keep['note'])").strip() == "True before"
 
 
+@pytest.mark.fresh_kernel  # the kernel as ipykernel starts it, file descriptors and all
 def test_soak_fifty_launches_keep_memory_files_and_tmp_flat(kernel_run) -> None:
     kinds = [
         ("ok", "%%accel_train -n 2\nresult = torch.randn(250_000) + accelerator.process_index"),

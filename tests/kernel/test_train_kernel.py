@@ -461,6 +461,7 @@ def test_a_second_interrupt_while_the_ranks_are_stopped_still_ends_in_one_line(l
     assert again.strip().endswith("world 2")  # the next launch works
 
 
+@pytest.mark.fresh_kernel  # the first launch imports torch before it forks
 def test_an_interrupt_right_after_the_cell_starts_stops_the_launch_in_one_line(live_kernel, tmp_path) -> None:
     live_kernel.execute(SETUP)
     live_kernel.execute(f"marks = {str(tmp_path)!r}")
