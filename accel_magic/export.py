@@ -1,19 +1,22 @@
 """A training cell and the earlier cells it depends on, as a script for `accelerate launch`, `torchrun` and SLURM.
 
-Pure: it reads the kernel's input history as (execution count, raw source) pairs and turns magics into Python
-through the `transform` it is given (the shell's `transform_cell`); it imports nothing of IPython, torch or
-accelerate, and the script it writes needs only torch and accelerate.
+Pure but for `export_from_history`, which reads the shell's input history: the rest takes it as (execution
+count, raw source) pairs and turns magics into Python through the `transform` it is given (the shell's
+`transform_cell`); it imports nothing of IPython, torch or accelerate, and the script it writes needs only torch
+and accelerate.
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import os
 import re
 import shlex
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .cell import ipython_call, top_level_names, transform_lines_kept
 
@@ -25,6 +28,7 @@ __all__ = [
     "Export",
     "Names",
     "last_training_cell",
+    "export_from_history",
     "export_training_cell",
     "needed_names",
     "commands",
@@ -1027,6 +1031,32 @@ _accel_prepared, _accel_registered = _accel_record({name})
         f"_accel_save({name}, globals(), _accel_prepared, _accel_registered, _accel_args.output_dir)\n"
     )
     return "".join(parts)
+
+
+def export_from_history(shell: Any, path: str, port: int, plan: Any, accelerator_name: str) -> Export:
+    """The export of the last %%accel_train cell in `shell`'s input history (ExportError when there is none),
+    under the plan its options make (`plan(options)`), written to `path`."""
+    raw = shell.history_manager.input_hist_raw
+    history = [(count, raw[count]) for count in range(1, min(len(raw), shell.execution_count))]
+    found = last_training_cell(history)
+    if found is None:
+        raise ExportError(
+            "No %%accel_train cell has run in this kernel: run the training cell first, then %accel_export."
+        )
+    count, options = found
+    made = plan(options)
+    settings = Settings(
+        num_processes=made.num_processes,
+        cpu=made.device == "cpu" or made.cpu,
+        mixed_precision=made.mixed_precision,
+        timeout=made.timeout,
+        gpus=made.device == "cuda",
+        threads_per_process=made.threads_per_process,
+        accelerator_name=accelerator_name,
+    )
+    source = shell.user_ns.get("__vsc_ipynb_file__") or os.environ.get("JPY_SESSION_NAME") or "a notebook"
+    return export_training_cell(history, shell.transform_cell, count, settings, script=path, port=port,
+                                source=str(source))  # fmt: skip
 
 
 def export_training_cell(

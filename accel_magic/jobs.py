@@ -17,7 +17,7 @@ from .launch import Hooks, Launch, LaunchOutcome, Results, run
 from .launch.relay import Relay
 from .plan import Plan
 from .results import receive_payload
-from .train import CellBody, TrainError, bring_back, describe, launch_failure, start
+from .train import CellBody, TrainError, bring_back, describe, launch_failure, results_interrupted, start
 
 if TYPE_CHECKING:
     from .status import StatusView
@@ -225,6 +225,18 @@ class Job:
         self._before = {}  # the notebook's objects, held while the launch ran
         self._refresh(force=True)
         return self.note
+
+    def conclude(self) -> None:
+        """In the cell that waited for the end (%accel_wait, or the one that started a launch that ended at once):
+        the results applied now and one line says so, or the failure raised as a foreground launch's."""
+        line = self.apply()
+        assert self.outcome is not None, "a job that ended has its outcome"
+        failure = launch_failure(self.outcome, self.plan) if self.status != "done" else None
+        if failure is None and self.outcome.interrupted:  # the interrupt came while the results were applied
+            failure = results_interrupted(self.outcome)
+        if failure is not None:
+            raise failure
+        print(line)
 
     def _apply(self) -> str:
         n = len(self.ranks)

@@ -9,7 +9,6 @@ Private API of the standard library's argparse, used here only:
 from __future__ import annotations
 
 import keyword
-import os
 import sys
 from dataclasses import replace
 from typing import Any
@@ -20,8 +19,16 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.utils.process import arg_split
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, validate
 
+from .accelerator import SetupError, build_accelerator, prepare_environment, reset_state
+from .cell import CellError, compile_cell
+from .export import DEFAULT_PORT, ExportError, export_from_history
+from .jobs import Job, last_job, refuse_while_running, start_job
+from .launch import LaunchInterrupted, LaunchOutcome, launch_interrupted
+from .launcher import guard_accelerate_launcher
+from .panel import mark_shown, show_plan
 from .plan import ALLREDUCE, DEFAULT_TIMEOUT, MIXED_PRECISION, STRATEGIES, Plan, PlanError, Request, make_plan
 from .runtime import Runtime, probe
+from .train import TrainError, run_in_kernel, run_ranks, stopped_before_start
 
 __all__ = ["AccelMagics"]
 
@@ -205,9 +212,6 @@ class AccelMagics(Magics):
 
     def _result_name(self, args: Any) -> str:
         """Where the launch's outcome goes: never over a variable of the user's own without a word."""
-        from .jobs import Job
-        from .launch import LaunchOutcome
-
         name = args.result if args.result is not None else self.result
         if not _identifier(name):
             raise UsageError(f"--result must be a Python identifier such as accel_result, not {name!r}.")
@@ -226,9 +230,6 @@ class AccelMagics(Magics):
         return self.setup_name or self.name
 
     def _setup(self, request: Request, name: str, quiet: bool, runtime: Runtime | None = None) -> Plan:
-        from .accelerator import SetupError, build_accelerator, prepare_environment, reset_state
-        from .launcher import guard_accelerate_launcher
-
         runtime = runtime or probe(self.shell)
         try:
             plan = make_plan(runtime, request)
@@ -248,8 +249,6 @@ class AccelMagics(Magics):
         guard_accelerate_launcher(plan)
         plan = replace(plan, notes=plan.notes + tuple(notes))
         self.plan = plan
-        from .panel import mark_shown, show_plan
-
         if quiet:
             mark_shown(plan)
         else:
@@ -320,10 +319,6 @@ class AccelMagics(Magics):
             raise self._stopped_before_start(args) from None  # an interrupt before the launch held them
 
     def _train(self, args: Any, cell: str) -> None:
-        from .cell import CellError, compile_cell
-        from .jobs import refuse_while_running, start_job
-        from .train import TrainError, run_in_kernel, run_ranks
-
         max_mb = _positive_float(args.max_return_mb, "--max-return-mb") or self.max_return_mb
         port = _port(args.port)
         request = self._train_request(args)
@@ -354,7 +349,7 @@ class AccelMagics(Magics):
                 raise UsageError(str(err)) from None
             self.shell.user_ns[result_name] = job
             if job.outcome is not None:  # it ended before this cell did: as a foreground launch ends
-                self._end_of(job)
+                job.conclude()
             return
         if plan.launch == "kernel":
             if self.plan is None or self.plan.request != request:
@@ -389,36 +384,16 @@ class AccelMagics(Magics):
         Accelerator from the training cell's plan and writes the trained state of each prepared model and optimizer
         to --output-dir. The notebook is left as it was.
         """
-        from .export import DEFAULT_PORT, ExportError, Settings, export_training_cell, last_training_cell
-
         args = _parse(self.accel_export, line, "accel_export")
         port = _port(args.port) or DEFAULT_PORT
-        shell = self.shell
-        raw = shell.history_manager.input_hist_raw
-        history = [(count, raw[count]) for count in range(1, min(len(raw), shell.execution_count))]
-        found = last_training_cell(history)
-        if found is None:
-            raise UsageError(
-                "No %%accel_train cell has run in this kernel: run the training cell first, then %accel_export."
-            )
-        count, options = found
-        request = self._train_request(_parse(self.accel_train, options, "accel_train"))
+        runtime = self.plan.runtime if self.plan is not None else None
+
+        def plan(options: str) -> Plan:  # the plan the training cell's options make here
+            request = self._train_request(_parse(self.accel_train, options, "accel_train"))
+            return make_plan(runtime or probe(self.shell), request)
+
         try:
-            runtime = self.plan.runtime if self.plan is not None else probe(shell)
-            plan = make_plan(runtime, request)
-            settings = Settings(
-                num_processes=plan.num_processes,
-                cpu=plan.device == "cpu" or plan.cpu,
-                mixed_precision=plan.mixed_precision,
-                timeout=plan.timeout,
-                gpus=plan.device == "cuda",
-                threads_per_process=plan.threads_per_process,
-                accelerator_name=self.accelerator_name,
-            )
-            source = shell.user_ns.get("__vsc_ipynb_file__") or os.environ.get("JPY_SESSION_NAME") or "a notebook"
-            export = export_training_cell(
-                history, shell.transform_cell, count, settings, script=args.path, port=port, source=str(source)
-            )
+            export = export_from_history(self.shell, args.path, port, plan, self.accelerator_name)
             export.write()
         except (PlanError, ExportError) as err:
             raise UsageError(str(err)) from None
@@ -431,9 +406,6 @@ class AccelMagics(Magics):
     def accel_wait(self, line: str = "") -> None:
         """Wait for the background launch to end and bring its results into the notebook at once; a failed
         launch shows its error here. Interrupting the wait leaves the launch running."""
-        from .jobs import last_job
-        from .launch import LaunchInterrupted
-
         _parse(self.accel_wait, line, "accel_wait")
         job = last_job()
         if job is None:
@@ -448,14 +420,11 @@ class AccelMagics(Magics):
             if job.told_in != self.shell.execution_count:  # else this cell's first line just said it
                 print(job.note or f"The background launch ({job.name}) had ended: {job.status}.")
             return
-        self._end_of(job)
+        job.conclude()
 
     def _stopped_before_start(self, args: Any) -> KeyboardInterrupt:
         """An interrupt that came before the launch started: its one line, and its outcome in the launch's result
         variable (unless the interrupt came before a refusal)."""
-        from .launch import launch_interrupted
-        from .train import stopped_before_start
-
         try:
             result_name, num_processes = self._result_name(args), self._train_request(args).num_processes or 0
         except UsageError:
@@ -463,20 +432,6 @@ class AccelMagics(Magics):
         outcome = stopped_before_start(num_processes)
         self.shell.user_ns[result_name] = outcome
         return launch_interrupted(outcome)
-
-    @staticmethod
-    def _end_of(job: Any) -> None:
-        """A background launch that ended while a cell waited for it: its results applied now, or its failure
-        shown as a foreground launch's."""
-        from .train import launch_failure, results_interrupted
-
-        line = job.apply()
-        failure = launch_failure(job.outcome, job.plan) if job.status != "done" else None
-        if failure is None and job.outcome.interrupted:  # the interrupt came while the results were applied
-            failure = results_interrupted(job.outcome)
-        if failure is not None:
-            raise failure
-        print(line)
 
     def _train_request(self, args: Any) -> Request:
         base = self.plan.request if self.plan is not None else Request()
