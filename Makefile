@@ -4,7 +4,7 @@
 VENV := .venv
 STACKS := colab kaggle minimum
 # The layers every pinned stack runs: everything but the binder/ build, which has a Python of its own.
-PINNED_LAYERS := tests/unit tests/shell tests/kernel
+PINNED_LAYERS := tests/unit tests/ranks tests/shell tests/kernel
 
 .PHONY: env envs quickstart test lint test-main $(addprefix test-,$(STACKS)) bench chromium screenshots gpu-check
 

@@ -1,4 +1,5 @@
-"""Markers follow the folder: unit (pure), shell (InteractiveShell), kernel (real ipykernel)."""
+"""Markers follow the folder: unit (pure), ranks (forked ranks of real process groups, no IPython), shell
+(InteractiveShell), kernel (real ipykernel)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def pytest_report_header() -> str:
     return f"stack: python {platform.python_version()}, " + ", ".join(found)
 
 
-LAYERS = ("unit", "shell", "kernel", "binder", "browser")
+LAYERS = ("unit", "ranks", "shell", "kernel", "binder", "browser")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
