@@ -22,7 +22,7 @@ _hint_shown_by: Any = None  # the shell whose ValueErrors _show_with_hint displa
 def _show_with_hint(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> None:
     """Show a ValueError as IPython would; accelerate's refusal to launch becomes one sentence saying what to
     do."""
-    from .launch.outcome import error_line
+    from .errors import error_line
     from .launcher import launcher_refusal_hint
 
     hint = launcher_refusal_hint(value)

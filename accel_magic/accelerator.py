@@ -21,6 +21,7 @@ import types
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
+from .errors import SetupError
 from .plan import Plan, parse_endpoint
 
 __all__ = [
@@ -34,10 +35,6 @@ __all__ = [
 ]
 
 STALE_FLAGS = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")
-
-
-class SetupError(RuntimeError):
-    """The environment forbids the plan; the message is one sentence saying what to do."""
 
 
 def _accelerate_uses_xla() -> bool:

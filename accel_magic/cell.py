@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
+from .errors import CellError
+
 __all__ = [
     "CellError",
     "CellCode",
@@ -22,10 +24,6 @@ __all__ = [
 ]
 
 _counter = itertools.count(1)
-
-
-class CellError(ValueError):
-    """The cell cannot run; the message is one sentence saying what to do."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .cell import ipython_call, top_level_names, transform_lines_kept
+from .errors import ExportError
 
 __all__ = [
     "DEFAULT_OUTPUT",
@@ -65,10 +66,6 @@ _DROPPED = {
 }
 # Cell magics whose body runs as the cell would, apart from output.
 _BODY_ONLY = {"time", "capture"}
-
-
-class ExportError(ValueError):
-    """The cell cannot be exported; the message is one sentence saying what to do."""
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 from .accelerator import rank_accelerator
 from .cell import CellCode
 from .display import GLOO_CHATTER
+from .errors import TrainError
 from .launch import Hooks, Launch, LaunchOutcome, Results, run
 from .launch.relay import Relay
 from .plan import Plan
 from .results import receive_payload
-from .train import CellBody, TrainError, bring_back, describe, launch_failure, results_interrupted, start
+from .train import CellBody, bring_back, describe, launch_failure, results_interrupted, start
 
 if TYPE_CHECKING:
     from .status import StatusView

@@ -18,13 +18,14 @@ from typing import Any
 
 from .accelerator import rank_state, reset_state, state_set_aside
 from .display import write_rank_text
+from .errors import LauncherError, PlanError
 from .jobs import refuse_while_running
-from .launch import Hooks, NodeOptions, Results, launch_interrupted
+from .launch import Hooks, NodeOptions, Results
 from .launch.relay import publish_kernel_message
-from .plan import Plan, PlanError, Request, make_plan
+from .plan import Plan, Request, make_plan
 from .results import pack_payload, receive_payload
 from .runtime import probe
-from .train import FrontDoor, OneSentence, describe, launch_plan, plan_nodes, stopped_before_start
+from .train import FrontDoor, describe, launch_interrupted, launch_plan, plan_nodes, stopped_before_start
 
 __all__ = [
     "notebook_launcher",
@@ -33,10 +34,6 @@ __all__ = [
     "restore_accelerate_launcher",
     "launcher_refusal_hint",
 ]
-
-
-class LauncherError(OneSentence, ValueError):
-    """An argument notebook_launcher cannot honour here (a ValueError, as accelerate raises for bad arguments)."""
 
 
 class _DefaultPort(str):

@@ -19,16 +19,17 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.utils.process import arg_split
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, validate
 
-from .accelerator import SetupError, build_accelerator, prepare_environment, reset_state
-from .cell import CellError, compile_cell
-from .export import DEFAULT_PORT, ExportError, export_from_history
+from .accelerator import build_accelerator, prepare_environment, reset_state
+from .cell import compile_cell
+from .errors import CellError, ExportError, LaunchInterrupted, PlanError, SetupError, TrainError
+from .export import DEFAULT_PORT, export_from_history
 from .jobs import Job, last_job, refuse_while_running, start_job
-from .launch import LaunchInterrupted, LaunchOutcome, launch_interrupted
+from .launch import LaunchOutcome
 from .launcher import guard_accelerate_launcher
 from .panel import mark_shown, show_plan
-from .plan import ALLREDUCE, DEFAULT_TIMEOUT, MIXED_PRECISION, STRATEGIES, Plan, PlanError, Request, make_plan
+from .plan import ALLREDUCE, DEFAULT_TIMEOUT, MIXED_PRECISION, STRATEGIES, Plan, Request, make_plan
 from .runtime import Runtime, probe
-from .train import TrainError, run_in_kernel, run_ranks, stopped_before_start
+from .train import launch_interrupted, run_in_kernel, run_ranks, stopped_before_start
 
 __all__ = ["AccelMagics"]
 

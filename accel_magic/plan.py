@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from itertools import takewhile
 from typing import Any
 
+from .errors import PlanError
 from .runtime import Runtime
 
 __all__ = [
@@ -27,10 +28,6 @@ DEFAULT_TIMEOUT = 900.0
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 # How DDP averages gradients across CPU ranks: in shared memory (all ranks on this machine), or by gloo.
 ALLREDUCE = ("shm", "gloo")
-
-
-class PlanError(ValueError):
-    """A request that cannot be honoured here; the message is one sentence saying what to do."""
 
 
 @dataclass(frozen=True)

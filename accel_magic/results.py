@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+from .errors import ResultsTooLarge
+
 __all__ = [
     "Item",
     "Skipped",
@@ -297,12 +299,6 @@ def _check_state(target: Any, state: Mapping[str, Any]) -> None:
         groups = state.get("param_groups", ())
         if [len(g["params"]) for g in target.param_groups] != [len(g.get("params", ())) for g in groups]:
             raise ValueError("the optimizer's parameter groups changed in the cell")
-
-
-class ResultsTooLarge(Exception):
-    """Rank 0's results exceed the limit; the message names the biggest."""
-
-    no_traceback = True
 
 
 def track_prepare(prepared: dict[int, Any], registered: list[Any]) -> None:

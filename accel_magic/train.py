@@ -13,11 +13,10 @@ from typing import Any
 from .accelerator import rank_accelerator, rank_environment, reset_state
 from .cell import CellCode
 from .display import launch_banner, write_rank_text
+from .errors import LaunchError, LaunchInterrupted, TrainError, ranks_failed
 from .launch import (
     Hooks,
     Launch,
-    LaunchError,
-    LaunchInterrupted,
     LaunchOutcome,
     NodeOptions,
     Nodes,
@@ -25,34 +24,22 @@ from .launch import (
     RankFailure,
     Ranks,
     Results,
+    failure_words,
     forks,
-    launch_error,
-    launch_interrupted,
+    interrupted_words,
     run,
 )
 from .launch.interrupts import Interrupts
-from .launch.outcome import error_line
 from .launch.ports import check_port
 from .launch.relay import publish_kernel_message
 from .plan import Plan, parse_endpoint
 from .results import Received, pack_payload, receive_payload, track_prepare, unpack_results
 
-__all__ = ["OneSentence", "TrainError", "CellBody", "FrontDoor", "run_in_kernel", "plan_nodes", "describe",
-           "check_launch", "start", "launch_failure", "stopped_before_start", "launch_plan", "bring_back",
-           "results_interrupted", "run_ranks"]  # fmt: skip
+__all__ = ["CellBody", "FrontDoor", "run_in_kernel", "plan_nodes", "describe", "check_launch", "start",
+           "launch_error", "launch_interrupted", "launch_failure", "stopped_before_start", "launch_plan",
+           "bring_back", "results_interrupted", "run_ranks"]  # fmt: skip
 
 _MISSING = object()
-
-
-class OneSentence(Exception):
-    """An error whose message is one sentence saying what to do; IPython shows that sentence alone."""
-
-    def _render_traceback_(self) -> list[str]:
-        return [error_line(type(self).__name__, str(self))]
-
-
-class TrainError(OneSentence, RuntimeError):
-    """The launch cannot start here."""
 
 
 class CellBody:
@@ -188,6 +175,20 @@ def launch_failure(outcome: LaunchOutcome, plan: Plan,
             outcome=outcome,
         )
     return None
+
+
+def launch_error(outcome: LaunchOutcome, timeout: float, options: NodeOptions | None = None) -> LaunchError:
+    """One exception for a failed launch, built outside any `except` block: it names the rank where the
+    failure started and holds nothing of the launch (so the rendezvous port is freed)."""
+    words = failure_words(outcome, timeout, options or NodeOptions())
+    if words.ranks:
+        return ranks_failed(words.headline, words.details, outcome)
+    return LaunchError(words.headline, words.details, outcome)
+
+
+def launch_interrupted(outcome: LaunchOutcome, source: str = "") -> LaunchInterrupted:
+    """The one line an interrupted launch ends with, as a KeyboardInterrupt."""
+    return LaunchInterrupted(interrupted_words(outcome, source), outcome)
 
 
 def stopped_before_start(num_processes: int, first_rank: int = 0) -> LaunchOutcome:

@@ -16,14 +16,13 @@ from .elastic import Nodes
 from .interrupts import Interrupts
 from .kernel import kernel_state_kept
 from .outcome import (
-    LaunchError,
-    LaunchInterrupted,
     LaunchOutcome,
     NodeOptions,
     RankFailure,
+    Words,
     collect,
-    launch_error,
-    launch_interrupted,
+    failure_words,
+    interrupted_words,
 )
 from .peers import Peers, reach_node0
 from .ports import listener
@@ -39,14 +38,13 @@ __all__ = [
     "Results",
     "Hooks",
     "Nodes",
-    "LaunchError",
-    "LaunchInterrupted",
     "LaunchOutcome",
     "NodeOptions",
     "RankFailure",
     "RankBody",
-    "launch_error",
-    "launch_interrupted",
+    "Words",
+    "failure_words",
+    "interrupted_words",
 ]
 
 
@@ -64,7 +62,7 @@ def run(spec: Launch) -> LaunchOutcome:
         restarts += 1
         which = f"the {ranks.num_processes} ranks" if ranks.num_processes > 1 else "the rank"
         spec.hooks.on_restart(
-            f"Restarting {which} ({restarts} of {ranks.max_restarts}): {launch_error(outcome, ranks.timeout)}"
+            f"Restarting {which} ({restarts} of {ranks.max_restarts}): {failure_words(outcome, ranks.timeout).headline}"
         )
 
 

@@ -1,29 +1,25 @@
 """How a launch ended, as plain data: each rank's failure, the outcome, the rank where a failure started, and
-the one `LaunchError` the user sees. `collect` builds the outcome from what the ranks recorded; it reads nothing
-itself."""
+the words the user reads of it (`failure_words`, `interrupted_words`; the errors that carry them are in
+accel_magic.errors). `collect` builds the outcome from what the ranks recorded; it reads nothing itself."""
 
 from __future__ import annotations
 
-import functools
 import re
 import signal
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 __all__ = [
     "FailureKind",
     "RankFailure",
     "RankRecords",
     "LaunchOutcome",
-    "LaunchError",
-    "LaunchInterrupted",
+    "Words",
     "NodeOptions",
     "collect",
-    "launch_error",
-    "launch_interrupted",
-    "error_line",
+    "failure_words",
+    "interrupted_words",
 ]
 
 ISSUES_URL = "https://github.com/accel-magic/accel_magic/issues"
@@ -115,96 +111,22 @@ class LaunchOutcome:
         return min(self.failures, key=key)
 
 
-def error_line(kind: str, message: str) -> str:
-    """The first line of an error as IPython shows it: the exception's name in red, then the message."""
-    return f"\x1b[0;31m{kind}\x1b[0m: {message}"
-
-
-class LaunchError(Exception):
-    """A launch that failed; shows one short traceback naming the rank where it started. When ranks failed, it
-    is also torch elastic's `ChildFailedError` (see `ranks_failed`), which accelerate's launcher raises."""
-
-    def __init__(self, headline: str, details: str = "", outcome: LaunchOutcome | None = None):
-        Exception.__init__(self, headline)  # not ChildFailedError's, which a subclass may have next in line
-        self.headline = headline
-        self.details = details
-        self.outcome = outcome
-
-    def _render_traceback_(self) -> list[str]:
-        lines = [error_line(type(self).__name__, self.headline)]
-        if self.details:
-            lines += self.details.rstrip("\n").split("\n")
-        return lines
-
-
-class LaunchInterrupted(KeyboardInterrupt):
-    """An interrupted launch: a KeyboardInterrupt that shows one line saying the ranks were stopped and where the
-    first of them was, with none of the frames it passed through."""
-
-    def __init__(self, message: str, outcome: LaunchOutcome | None = None):
-        super().__init__(message)
-        self.outcome = outcome
-
-    def _render_traceback_(self) -> list[str]:
-        return [error_line("KeyboardInterrupt", str(self))]
-
-
-@functools.cache
-def _ranks_failed_type() -> type[LaunchError]:
-    """LaunchError that is also torch elastic's ChildFailedError (as accelerate users catch a launch's failure),
-    its `failures` each rank's, keyed by global rank; LaunchError alone where torch is missing."""
-    try:
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    except ImportError:
-        return LaunchError
-
-    class RanksFailed(LaunchError, ChildFailedError):
-        __doc__ = LaunchError.__doc__
-
-    RanksFailed.__name__ = RanksFailed.__qualname__ = "LaunchError"  # the name notebooks show (the reply's ename)
-    return RanksFailed
-
-
-def ranks_failed(headline: str, details: str, outcome: LaunchOutcome) -> LaunchError:
-    """The LaunchError of a launch whose ranks failed, which is also a ChildFailedError whose `failures` hold each
-    failed rank's summary (exit code, and the exception as its message)."""
-    err = _ranks_failed_type()(headline, details, outcome)
-    if type(err) is not LaunchError:
-        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
-        root = outcome.root_cause()
-        ordered = sorted(outcome.failures, key=lambda f: f is not root)  # get_first_failure: the earliest, then first
-        first = min(int(f.when or time.time()) for f in ordered)
-        failures = {}
-        for f in ordered:
-            code = 1 if f.exitcode is None else f.exitcode
-            failure = ProcessFailure(f.rank - outcome.first_rank, 0, code, error_file="")
-            failure.message, failure.timestamp = f.summary, first if f is root else int(f.when or first)
-            failures[f.rank] = failure
-        err.name, err.failures = "accel_train", failures  # type: ignore[attr-defined]
-    return err
-
-
-# Front ends and notebooks name an error by its class (the reply's ename): this one is a KeyboardInterrupt to them.
-LaunchInterrupted.__name__ = LaunchInterrupted.__qualname__ = "KeyboardInterrupt"
-
 CELL_LINE = re.compile(r"^  Cell line (\d+), in ", re.MULTILINE)
 
 
-def launch_interrupted(outcome: LaunchOutcome, source: str = "") -> LaunchInterrupted:
-    """The one line an interrupted launch ends with: how many ranks were stopped and the line of the cell (or of
-    `source`, what holds a launched function: "train.py", "train's cell") where this node's first rank was, when
-    it left one; or that no rank had started yet, or that every rank had ended before the interrupt (and then
-    nothing came back)."""
+def interrupted_words(outcome: LaunchOutcome, source: str = "") -> str:
+    """The one line an interrupted launch ends with (errors.LaunchInterrupted's): how many ranks were stopped and
+    the line of the cell (or of `source`, what holds a launched function: "train.py", "train's cell") where this
+    node's first rank was, when it left one; or that no rank had started yet, or that every rank had ended
+    before the interrupt (and then nothing came back)."""
     n = outcome.num_processes
     if not outcome.started:
-        return LaunchInterrupted("the launch was stopped before its ranks started", outcome)
+        return "the launch was stopped before its ranks started"
     ranks = f"the {n} ranks" if n > 1 else "the rank"
     if all(r in outcome.durations for r in outcome.ranks):
-        return LaunchInterrupted(
+        return (
             f"{ranks} had ended, but the interrupt came before anything came back from them: nothing in the "
-            "notebook changed",
-            outcome,
+            "notebook changed"
         )
     stopped = f"{ranks} were stopped" if n > 1 else f"{ranks} was stopped"
     first = outcome.first_rank
@@ -212,7 +134,7 @@ def launch_interrupted(outcome: LaunchOutcome, source: str = "") -> LaunchInterr
     if lines:
         where = f"line {lines[-1]} of {source}" if source else f"cell line {lines[-1]}"
         stopped += f" (rank {first} was at {where})"
-    return LaunchInterrupted(stopped, outcome)
+    return stopped
 
 
 def abrupt(rank: int, code: int | None) -> RankFailure:
@@ -261,24 +183,32 @@ class NodeOptions:
     same: str = "--nodes and --rdzv-endpoint"
 
 
-def launch_error(outcome: LaunchOutcome, timeout: float, options: NodeOptions = NodeOptions()) -> LaunchError:
-    """One exception for a failed launch, built outside any `except` block: it names the rank where the
-    failure started and holds nothing of the launch (so the rendezvous port is freed)."""
+class Words(NamedTuple):
+    """What a failed launch says: its headline, the traceback under it, and whether ranks failed (the error is
+    then also torch elastic's ChildFailedError, with each rank's failure)."""
+
+    headline: str
+    details: str = ""
+    ranks: bool = True
+
+
+def failure_words(outcome: LaunchOutcome, timeout: float, options: NodeOptions = NodeOptions()) -> Words:
+    """The words of a failed launch (errors.LaunchError's): the rank where the failure started, and why."""
     if outcome.agent_error and outcome.num_nodes > 1:
         others = outcome.num_nodes - 1
         waited = outcome.rdzv_timeout or timeout
         why = outcome.agent_error
         if outcome.nodes_joined is not None:
             why = f"{outcome.nodes_joined} of the {outcome.num_nodes} nodes joined within {waited:g} s"
-        return LaunchError(
+        return Words(
             f"this node could not form one group with the other {others} node{'s' if others > 1 else ''} at "
             f"{outcome.endpoint} ({why}): {options.start} on every node within {waited:g} s "
             f"({options.timeout}), each with its own {options.node_rank} and the same {options.same}; nothing was "
             "trained.",
-            outcome=outcome,
+            ranks=False,
         )
     if outcome.agent_error:
-        return LaunchError(f"the launch failed before the cell ran: {outcome.agent_error}", outcome=outcome)
+        return Words(f"the launch failed before the cell ran: {outcome.agent_error}", ranks=False)
     root = outcome.root_cause()
     assert root is not None
     stopped = "; the other ranks were stopped." if outcome.num_processes > 1 else "."
@@ -287,13 +217,13 @@ def launch_error(outcome: LaunchOutcome, timeout: float, options: NodeOptions = 
             f"the launch failed on another node ({outcome.remote_failure}), so this node's ranks were stopped; "
             "that node's cell names the rank and the line."
         )
-        return ranks_failed(headline, "", outcome)
+        return Words(headline)
     if outcome.num_nodes > 1 and root.kind == "collateral":  # every failure here was caused elsewhere
         headline = (
             f"rank {root.rank} lost the ranks of another node ({root.summary}): the failure started on another "
             "node, whose cell names the rank and the line; this node's ranks were stopped."
         )
-        return ranks_failed(headline, "", outcome)
+        return Words(headline)
     if root.kind == "timeout":
         headline = (
             f"rank {root.rank}: a collective waited more than {timeout:g} s (--timeout) for the other ranks; "
@@ -304,9 +234,9 @@ def launch_error(outcome: LaunchOutcome, timeout: float, options: NodeOptions = 
             f"accel_magic failed inside rank {root.rank} {root.summary}{stopped} This is a bug in accel_magic, "
             f"not in your cell: please report it at {ISSUES_URL} with the traceback and versions below."
         )
-        return ranks_failed(headline, f"{root.traceback.rstrip()}\nversions: {root.versions}", outcome)
+        return Words(headline, f"{root.traceback.rstrip()}\nversions: {root.versions}")
     elif root.kind in ("signal", "exit"):
         headline = f"rank {root.rank} {root.summary}{stopped}"
     else:  # one rank: the exception's own words end the line
         headline = f"rank {root.rank} raised {root.summary}" + (stopped if outcome.num_processes > 1 else "")
-    return ranks_failed(headline, root.traceback, outcome)
+    return Words(headline, root.traceback)

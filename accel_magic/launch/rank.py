@@ -46,9 +46,11 @@ class RankBody(Protocol):
 
 
 class NodeMismatch(RuntimeError):
-    """The group numbered this node's ranks otherwise than the kernel expects: the nodes differ in -n."""
+    """The group numbered this node's ranks otherwise than the kernel expects: the nodes differ in -n. Worded
+    for the user, as accel_magic.errors' are (the same protocol: `_render_traceback_`), and recorded so."""
 
-    no_traceback = True
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
 
 
 def classify(err: BaseException) -> FailureKind:
@@ -244,7 +246,7 @@ class RankProgram:
         kind = "exception" if isinstance(err, KeyboardInterrupt) else classify(err)
         first = first_line(err)
         summary = f"{type(err).__name__}: {first}" if first else type(err).__name__
-        user_facing = getattr(err, "no_traceback", False)  # a refusal worded for the user (results too large)
+        user_facing = hasattr(err, "_render_traceback_")  # a refusal worded for the user (results too large)
         own = phase != "cell" and kind == "exception" and not isinstance(err, KeyboardInterrupt | MemoryError)
         if not own or user_facing:  # the cell's, a peer's, or out of memory: not a bug of this machinery
             tb = "" if user_facing else cell_traceback(err, self.cell_filename)

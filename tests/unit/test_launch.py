@@ -15,8 +15,9 @@ import pytest
 
 import accel_magic
 from accel_magic.launch import elastic, rank
-from accel_magic.launch.outcome import LaunchOutcome, RankFailure, launch_error
+from accel_magic.launch.outcome import LaunchOutcome, RankFailure
 from accel_magic.launch.ports import check_port, listener
+from accel_magic.train import launch_error
 
 REPO = Path(accel_magic.__file__).resolve().parents[1]
 

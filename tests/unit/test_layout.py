@@ -85,6 +85,27 @@ def test_launch_is_a_leaf_that_imports_nothing_of_the_package_outside_itself() -
     assert not {name: found for name, found in outside.items() if found}, outside
 
 
+def test_the_errors_a_user_can_see_live_in_errors_py_with_one_way_to_show() -> None:
+    """Each exception class is defined in accel_magic.errors, and shows through `_render_traceback_` alone; the
+    one other is a rank's own, which reaches the user only as the words of the rank's record."""
+    from accel_magic import errors
+
+    elsewhere = {}
+    for name, path in MODULES.items():
+        text = path.read_text()
+        assert "no_traceback" not in text, name
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and any(
+                re.search(r"Error|Exception|Interrupt|OneSentence", ast.unparse(b)) for b in node.bases
+            ):
+                if name != "accel_magic.errors":
+                    elsewhere[f"{name}.{node.name}"] = ast.unparse(node.bases[0])
+    assert elsewhere == {"accel_magic.launch.rank.NodeMismatch": "RuntimeError"}
+    shown = [errors.PlanError, errors.CellError, errors.SetupError, errors.ExportError, errors.TrainError]
+    shown += [errors.LauncherError, errors.ResultsTooLarge, errors.LaunchError, errors.LaunchInterrupted]
+    assert all(callable(getattr(cls, "_render_traceback_", None)) for cls in shown)
+
+
 def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     args = function.args
     names = args.posonlyargs + args.args + args.kwonlyargs + [a for a in (args.vararg, args.kwarg) if a]

@@ -3,16 +3,9 @@ process was seen to end, become the failures, durations and exit codes of the ou
 
 from __future__ import annotations
 
-from accel_magic.launch.outcome import (
-    LaunchOutcome,
-    NodeOptions,
-    RankFailure,
-    RankRecords,
-    collect,
-    error_line,
-    launch_error,
-    launch_interrupted,
-)
+from accel_magic.errors import error_line
+from accel_magic.launch.outcome import LaunchOutcome, NodeOptions, RankFailure, RankRecords, collect
+from accel_magic.train import launch_error, launch_interrupted
 
 VALUE_ERROR_TB = "Traceback (most recent call last):\n  Cell line 2, in <module>\n    boom()\nValueError: x\n"
 
