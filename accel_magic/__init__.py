@@ -15,8 +15,6 @@ __all__ = ["__version__", "load_ipython_extension", "unload_ipython_extension", 
 
 # torch.cuda.is_available() asks NVML instead of initializing CUDA (which poisons every later fork).
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
-_set_by_us: set[str] = set()
-_hint_shown_by: Any = None  # the shell whose ValueErrors _show_with_hint displays
 
 
 def _show_with_hint(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> None:
@@ -35,19 +33,22 @@ def _show_with_hint(shell: Any, etype: type, value: BaseException, tb: Any, tb_o
 def load_ipython_extension(ipython: Any) -> None:
     from .launch import forks  # noqa: F401  (every fork in the kernel waits for its output streams from here on)
     from .magics import AccelMagics
+    from .session import current
 
+    session = current()
     if NVML_CHECK not in os.environ:
         os.environ[NVML_CHECK] = "1"
-        _set_by_us.add(NVML_CHECK)
+        session.env_set.add(NVML_CHECK)
     ipython.register_magics(AccelMagics)
-    global _hint_shown_by
     if not ipython.custom_exceptions:  # another extension's handler is left alone
         ipython.set_custom_exc((ValueError,), _show_with_hint)
-        _hint_shown_by = ipython
+        session.hint_shell = ipython
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """Remove exactly what load_ipython_extension added."""
+    """Remove exactly what load_ipython_extension added, and forget the kernel's session."""
+    from .session import drop
+
     manager = ipython.magics_manager
     instance = manager.registry.pop("AccelMagics", None)
     jobs = sys.modules.get(f"{__name__}.jobs")
@@ -58,19 +59,17 @@ def unload_ipython_extension(ipython: Any) -> None:
             manager.magics[kind].pop(name, None)
     if instance is not None and instance in ipython.configurables:
         ipython.configurables.remove(instance)
-    global _hint_shown_by
-    if _hint_shown_by is ipython and ipython.custom_exceptions == (ValueError,):
+    session = drop()
+    if session is not None and session.hint_shell is ipython and ipython.custom_exceptions == (ValueError,):
         ipython.set_custom_exc((), None)  # IPython's default
-    _hint_shown_by = None
     launcher = sys.modules.get(f"{__name__}.launcher")
     if launcher is not None:
         launcher.restore_accelerate_launcher()
     elastic = sys.modules.get(f"{__name__}.launch.elastic")
     if elastic is not None:
         elastic.shutdown_agent_thread()
-    for key in list(_set_by_us):
+    for key in session.env_set if session is not None else ():
         os.environ.pop(key, None)
-        _set_by_us.discard(key)
 
 
 def __getattr__(name: str) -> Any:

@@ -18,6 +18,7 @@ from .launch import Hooks, Launch, LaunchOutcome, Results, run
 from .launch.relay import Relay
 from .plan import Plan
 from .results import receive_payload
+from .session import current
 from .train import CellBody, bring_back, describe, launch_failure, results_interrupted, start
 
 if TYPE_CHECKING:
@@ -28,9 +29,7 @@ __all__ = ["Job", "start_job", "running_job", "last_job", "refuse_while_running"
 KEPT_TEXT = 4 * 2**20  # characters of the ranks' output a job keeps; the oldest go first
 REFRESH = 0.5  # seconds between two updates of the status view while nothing changes state
 
-_last: Job | None = None  # the latest job; its results wait for the next cell once it ended
-_hooked: Any = None  # the shell whose pre_run_cell event applies them
-_atexit = False
+_atexit = False  # stop_jobs registered to run at the process's exit
 
 
 class Job:
@@ -257,7 +256,7 @@ class Job:
 def start_job(shell: Any, code: CellCode, plan: Plan, **options: Any) -> Job:
     """Start the plan's ranks in the background and return once they run (or ended); the job's status widget is
     shown in the cell when the front end shows widgets."""
-    global _last, _atexit
+    global _atexit
     refuse_while_running()
     job = Job(shell, code, plan, **options)
     if getattr(shell, "kernel", None) is not None:
@@ -265,7 +264,7 @@ def start_job(shell: Any, code: CellCode, plan: Plan, **options: Any) -> Job:
 
         job.view = StatusView(job)
     job.start()
-    _last = job
+    current().last_job = job
     _hook(shell)
     if not _atexit:
         atexit.register(stop_jobs)
@@ -275,11 +274,12 @@ def start_job(shell: Any, code: CellCode, plan: Plan, **options: Any) -> Job:
 
 
 def running_job() -> Job | None:
-    return _last if _last is not None and not _last.ended.is_set() else None
+    job = current().last_job
+    return job if job is not None and not job.ended.is_set() else None
 
 
 def last_job() -> Job | None:
-    return _last
+    return current().last_job
 
 
 def refuse_while_running() -> None:
@@ -293,35 +293,34 @@ def refuse_while_running() -> None:
 
 def _at_next_cell(*_: Any) -> None:
     """pre_run_cell: the results of a background launch that ended are applied before the cell runs."""
-    job = _last
+    job = current().last_job
     if job is not None and job.ended.is_set() and not job.applied:
         print(job.apply())
         job.told_in = job.shell.execution_count
 
 
 def _hook(shell: Any) -> None:
-    global _hooked
-    if _hooked is not shell:
+    session = current()
+    if session.hooked is not shell:
         _unhook()
         shell.events.register("pre_run_cell", _at_next_cell)
-        _hooked = shell
+        session.hooked = shell
 
 
 def _unhook() -> None:
-    global _hooked
-    if _hooked is not None:
+    session = current()
+    if session.hooked is not None:
         try:
-            _hooked.events.unregister("pre_run_cell", _at_next_cell)
+            session.hooked.events.unregister("pre_run_cell", _at_next_cell)
         except ValueError:
             pass
-        _hooked = None
+        session.hooked = None
 
 
 def stop_jobs() -> None:
     """At the kernel's exit or the extension's unload: end a running job's ranks and leave nothing behind."""
-    global _last
     job = running_job()
     if job is not None:
         job.stop()
     _unhook()
-    _last = None
+    current().last_job = None

@@ -25,6 +25,7 @@ from .launch.relay import publish_kernel_message
 from .plan import Plan, Request, make_plan
 from .results import pack_payload, receive_payload
 from .runtime import probe
+from .session import current
 from .train import FrontDoor, describe, launch_interrupted, launch_plan, plan_nodes, stopped_before_start
 
 __all__ = [
@@ -171,6 +172,7 @@ def notebook_launcher(
     LaunchError, which is also torch elastic's `ChildFailedError`, as accelerate's launcher raises. Log line
     prefixes and an rdzv_conf "rank" other than node_rank are refused with a sentence saying so.
     """
+    setup_plan = current().setup_plan
     try:  # the arguments checked, each refusal one LauncherError, and the plan made from them
         _check(log_line_prefix_template)
         refuse_while_running()
@@ -180,7 +182,7 @@ def notebook_launcher(
         nodes = _nodes(num_nodes, node_rank, master_addr, str(use_port), rdzv_backend, rdzv_endpoint, rdzv_conf)
         plan = _plan(
             Request(
-                cpu=_setup_plan is not None and _setup_plan.request.cpu,  # %accel_setup --cpu holds for launches
+                cpu=setup_plan is not None and setup_plan.request.cpu,  # %accel_setup --cpu holds for launches
                 num_processes=_num_processes(num_processes),
                 mixed_precision=str(mixed_precision).lower(),
                 max_restarts=max_restarts,
@@ -223,19 +225,15 @@ def notebook_launcher(
     return next((item.value for item in outcome.received.items), None)
 
 
-_setup_plan: Plan | None = None  # the plan %accel_setup made last; launches keep its --cpu
-
-
 def guard_accelerate_launcher(plan: Plan) -> None:
     """Route accelerate's notebook_launcher through this module's while the extension is loaded, for the names
     imported after %accel_setup: its ranks form one group whatever the function builds first, their lines come
     whole and marked [rank N], each launch takes a fresh port unless the call names one, and the notebook's
     Accelerator never blocks it. It returns None, as accelerate's does."""
-    global _setup_plan
     import accelerate
     import accelerate.launchers as launchers
 
-    _setup_plan = plan
+    current().setup_plan = plan
     original = launchers.notebook_launcher
     if getattr(original, "_accel_magic", False):
         original = original.__wrapped__
@@ -250,8 +248,6 @@ def guard_accelerate_launcher(plan: Plan) -> None:
 
 def restore_accelerate_launcher() -> None:
     """Put accelerate's own notebook_launcher back (on %unload_ext)."""
-    global _setup_plan
-    _setup_plan = None
     launchers = sys.modules.get("accelerate.launchers")
     wrapper = getattr(launchers, "notebook_launcher", None)
     if getattr(wrapper, "_accel_magic", False):

@@ -13,6 +13,7 @@ import textwrap
 from typing import TYPE_CHECKING
 
 from .runtime import describe_gpus
+from .session import current
 
 if TYPE_CHECKING:  # the plan renders itself through this module, which therefore never imports it at run time
     from .plan import Fallback, Plan
@@ -241,9 +242,6 @@ def panel_bundle(plan: Plan) -> dict[str, str]:
     return {"text/plain": plan_text(plan), "text/html": plan_html(plan)}
 
 
-_shown_by_magic: tuple[int, int] | None = None
-
-
 def _execution_count() -> int:
     from IPython import get_ipython
 
@@ -252,19 +250,18 @@ def _execution_count() -> int:
 
 def mark_shown(plan: Plan) -> None:
     """Tell the display hook that the magic has dealt with this plan in this execution."""
-    global _shown_by_magic
-    _shown_by_magic = (id(plan), _execution_count())
+    current().panel_shown = (id(plan), _execution_count())
 
 
 def show_plan(plan: Plan, by_magic: bool = False) -> None:
     """Display the panel. The magic shows it and returns the plan; the display hook then skips it
     once, so a bare `%accel_setup` shows one panel, not a panel plus an Out[n]."""
-    global _shown_by_magic
     from IPython.display import display
 
+    session = current()
     if by_magic:
         mark_shown(plan)
-    elif _shown_by_magic == (id(plan), _execution_count()):
-        _shown_by_magic = None
+    elif session.panel_shown == (id(plan), _execution_count()):
+        session.panel_shown = None
         return
     display(panel_bundle(plan), raw=True)

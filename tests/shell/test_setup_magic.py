@@ -129,6 +129,21 @@ def test_unload_removes_everything_and_reload_works(monkeypatch: pytest.MonkeyPa
     shell.run_line_magic("unload_ext", "accel_magic")
 
 
+def test_the_kernels_state_is_one_session_that_unload_drops(ip) -> None:
+    """What the extension keeps between cells (the setup plan launches follow, the panel shown, the hint's
+    shell, the variables it set) is one object, gone after %unload_ext; a load after it starts afresh."""
+    from accel_magic import session
+
+    shell = ip
+    plan = shell.run_line_magic("accel_setup", "--cpu --quiet")
+    kept = session.current()
+    assert kept.setup_plan.request == plan.request and kept.setup_plan.request.cpu and kept.panel_shown is not None
+    shell.run_line_magic("unload_ext", "accel_magic")
+    assert session._current is None
+    shell.run_line_magic("load_ext", "accel_magic")
+    assert session.current() is not kept and session.current().setup_plan is None
+
+
 BAD = [
     ("unknown flag", "--bogus", "unrecognized arguments: --bogus"),
     ("zero processes", "-n 0", "at least 1"),
