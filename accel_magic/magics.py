@@ -1,22 +1,15 @@
-"""AccelMagics: the options of `%accel_setup` and `%%accel_train` as arguments and traits, and every refusal as
-one IPython UsageError; the work itself is done by the modules it calls.
-
-Private API of the standard library's argparse, used here only:
-- `ArgumentParser._option_string_actions` (every Python 3): maps an option string to its action, to refuse an
-  option given twice (argparse keeps the last silently). Fallback: none; a test fails when it moves.
-"""
+"""AccelMagics: the options of `%accel_setup` and `%%accel_train` as arguments and traits (checked in
+options.py), and every refusal as one IPython UsageError; the work itself is done by the modules it calls."""
 
 from __future__ import annotations
 
-import keyword
 import sys
 from dataclasses import replace
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from IPython.utils.process import arg_split
+from IPython.core.magic_arguments import argument, magic_arguments
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, validate
 
 from .accelerator import build_accelerator, prepare_environment, reset_state
@@ -26,6 +19,19 @@ from .export import DEFAULT_PORT, export_from_history
 from .jobs import Job, last_job, refuse_while_running, start_job
 from .launch import LaunchOutcome
 from .launcher import guard_accelerate_launcher
+from .options import (
+    choice,
+    count,
+    given,
+    identifier,
+    nodes,
+    parse,
+    parse_port,
+    plan_arguments,
+    positive_float,
+    positive_int,
+    returned_names,
+)
 from .panel import mark_shown, show_plan
 from .plan import ALLREDUCE, DEFAULT_TIMEOUT, MIXED_PRECISION, STRATEGIES, Plan, Request, make_plan
 from .runtime import Runtime, probe
@@ -41,91 +47,6 @@ def _is_accelerator(obj: Any) -> bool:
     return (cls.__name__ == "Accelerator" and cls.__module__.startswith("accelerate")) or (
         accelerate is not None and isinstance(obj, accelerate.Accelerator)
     )
-
-
-def _identifier(name: str) -> bool:
-    return name.isidentifier() and not keyword.iskeyword(name)
-
-
-def _positive_int(value: str | None, option: str) -> int | None:
-    if value is None:
-        return None
-    text = value.strip()
-    if not text.lstrip("+").isdigit() or int(text) < 1:
-        raise UsageError(f"{option} must be a whole number of at least 1, not {value!r}.")
-    return int(text)
-
-
-def _count(value: str | None, option: str) -> int | None:
-    if value is None:
-        return None
-    text = value.strip()
-    if not text.lstrip("+").isdigit():
-        raise UsageError(f"{option} must be a whole number of at least 0, not {value!r}.")
-    return int(text)
-
-
-def _given(value: Any, default: Any) -> Any:
-    """An option's value where it was given (0 included), else the default."""
-    return default if value is None else value
-
-
-def _choice(value: str | None, choices: tuple[str, ...], option: str) -> str | None:
-    if value is None:
-        return None
-    if value.lower() not in choices:
-        raise UsageError(f"{option} must be one of {', '.join(choices)}, not {value!r}.")
-    return value.lower()
-
-
-def _parse(magic: Any, line: str, name: str) -> Any:
-    try:
-        args = parse_argstring(magic, line)
-    except UsageError as err:
-        raise UsageError(f"%{name}: {str(err).rstrip('.')}; see %{name}? for the options.") from None
-    seen: dict[str, str] = {}
-    for token in arg_split(line):
-        action = magic.parser._option_string_actions.get(token.split("=", 1)[0])
-        if action is None:
-            continue
-        if action.dest in seen:
-            raise UsageError(f"%{name}: {seen[action.dest]} is given twice: give each option once.")
-        seen[action.dest] = "/".join(action.option_strings)
-    return args
-
-
-def _positive_float(value: str | None, option: str) -> float | None:
-    if value is None:
-        return None
-    try:
-        number = float(value)
-    except ValueError:
-        number = float("nan")
-    if not number > 0 or number == float("inf"):
-        raise UsageError(f"{option} must be a number of seconds or megabytes above 0, not {value!r}.")
-    return number
-
-
-def _port(value: str | None) -> int | None:
-    if value is None:
-        return None
-    if not value.strip().isdigit() or not 1 <= int(value) <= 65535:
-        raise UsageError(f"--port must be a whole number from 1 to 65535, not {value!r}.")
-    return int(value)
-
-
-def plan_arguments(func: Any) -> Any:
-    """The options %accel_setup and %%accel_train share, spelled the same in both."""
-    for decorator in reversed(
-        [
-            argument("-n", "--num-processes", metavar="N", help="processes (ranks); default: 1 on CPU, one per GPU"),
-            argument("--cpu", action="store_true", help="use the CPU even where a GPU or TPU is present"),
-            argument("--mixed-precision", metavar="P", help="no, fp16, bf16 or fp8"),
-            argument("--allreduce", metavar="A", help="how CPU ranks average gradients: shm (default) or gloo"),
-        ]
-    ):
-        func = decorator(func)
-    return func
 
 
 @magics_class
@@ -185,25 +106,25 @@ class AccelMagics(Magics):
 
     @validate("name", "result")
     def _check_name(self, proposal: Any) -> Any:
-        if not _identifier(proposal.value):
+        if not identifier(proposal.value):
             raise TraitError(f"{proposal.trait.name} must be a Python identifier, not {proposal.value!r}.")
         return proposal.value
 
     def _request(self, args: Any) -> Request:
-        n = _positive_int(args.num_processes, "-n/--num-processes")
+        n = positive_int(args.num_processes, "-n/--num-processes")
         return Request(
             num_processes=n if n is not None else self.num_processes,
             cpu=args.cpu or self.cpu,
-            mixed_precision=_choice(args.mixed_precision, MIXED_PRECISION, "--mixed-precision") or self.mixed_precision,
-            strategy=_choice(args.strategy, STRATEGIES, "--strategy") or self.strategy,
+            mixed_precision=choice(args.mixed_precision, MIXED_PRECISION, "--mixed-precision") or self.mixed_precision,
+            strategy=choice(args.strategy, STRATEGIES, "--strategy") or self.strategy,
             strict=args.strict or self.strict,
             timeout=self.timeout,
-            allreduce=_choice(args.allreduce, ALLREDUCE, "--allreduce") or self.allreduce,
+            allreduce=choice(args.allreduce, ALLREDUCE, "--allreduce") or self.allreduce,
         )
 
     def _target_name(self, args: Any) -> str:
         name = args.name if args.name is not None else self.name
-        if not _identifier(name):
+        if not identifier(name):
             raise UsageError(f"--name must be a Python identifier such as accelerator, not {name!r}.")
         existing = self.shell.user_ns.get(name)
         if existing is not None and not args.force and not _is_accelerator(existing):
@@ -214,7 +135,7 @@ class AccelMagics(Magics):
     def _result_name(self, args: Any) -> str:
         """Where the launch's outcome goes: never over a variable of the user's own without a word."""
         name = args.result if args.result is not None else self.result
-        if not _identifier(name):
+        if not identifier(name):
             raise UsageError(f"--result must be a Python identifier such as accel_result, not {name!r}.")
         existing = self.shell.user_ns.get(name)
         if existing is not None and not isinstance(existing, LaunchOutcome | Job):
@@ -269,7 +190,7 @@ class AccelMagics(Magics):
 
         Returns the plan, so `plan = %accel_setup` works.
         """
-        args = _parse(self.accel_setup, line, "accel_setup")
+        args = parse(self.accel_setup, line, "accel_setup")
         request = self._request(args)
         name = self._target_name(args)
         plan = self._setup(request, name, args.quiet)
@@ -311,7 +232,7 @@ class AccelMagics(Magics):
         `--max-restarts N`: after a rank failed, every rank starts again (one line says so), up to N times, as
         torch elastic does; the results come from the run that succeeded.
         """
-        args = _parse(self.accel_train, line, "accel_train")
+        args = parse(self.accel_train, line, "accel_train")
         try:
             self._train(args, cell)
         except KeyboardInterrupt as err:
@@ -320,8 +241,8 @@ class AccelMagics(Magics):
             raise self._stopped_before_start(args) from None  # an interrupt before the launch held them
 
     def _train(self, args: Any, cell: str) -> None:
-        max_mb = _positive_float(args.max_return_mb, "--max-return-mb") or self.max_return_mb
-        port = _port(args.port)
+        max_mb = positive_float(args.max_return_mb, "--max-return-mb") or self.max_return_mb
+        port = parse_port(args.port)
         request = self._train_request(args)
         try:
             code = compile_cell(cell, self.shell.transform_cell)
@@ -336,7 +257,7 @@ class AccelMagics(Magics):
                     f"The cell uses {sign}{magic}, which is not a magic here: check its name, or load its extension "
                     "in an earlier cell; nothing was launched."
                 )
-        returns = _returns(args, code.bound)
+        returns = returned_names(args, code.bound)
         result_name = self._result_name(args)
         try:
             refuse_while_running()
@@ -385,12 +306,12 @@ class AccelMagics(Magics):
         Accelerator from the training cell's plan and writes the trained state of each prepared model and optimizer
         to --output-dir. The notebook is left as it was.
         """
-        args = _parse(self.accel_export, line, "accel_export")
-        port = _port(args.port) or DEFAULT_PORT
+        args = parse(self.accel_export, line, "accel_export")
+        port = parse_port(args.port) or DEFAULT_PORT
         runtime = self.plan.runtime if self.plan is not None else None
 
         def plan(options: str) -> Plan:  # the plan the training cell's options make here
-            request = self._train_request(_parse(self.accel_train, options, "accel_train"))
+            request = self._train_request(parse(self.accel_train, options, "accel_train"))
             return make_plan(runtime or probe(self.shell), request)
 
         try:
@@ -407,7 +328,7 @@ class AccelMagics(Magics):
     def accel_wait(self, line: str = "") -> None:
         """Wait for the background launch to end and bring its results into the notebook at once; a failed
         launch shows its error here. Interrupting the wait leaves the launch running."""
-        _parse(self.accel_wait, line, "accel_wait")
+        parse(self.accel_wait, line, "accel_wait")
         job = last_job()
         if job is None:
             raise UsageError("No background launch in this kernel: start one with %%accel_train --background.")
@@ -436,55 +357,16 @@ class AccelMagics(Magics):
 
     def _train_request(self, args: Any) -> Request:
         base = self.plan.request if self.plan is not None else Request()
-        n = _positive_int(args.num_processes, "-n/--num-processes")
-        mp = _choice(args.mixed_precision, MIXED_PRECISION, "--mixed-precision")
+        n = positive_int(args.num_processes, "-n/--num-processes")
+        mp = choice(args.mixed_precision, MIXED_PRECISION, "--mixed-precision")
         return replace(
             base,
             num_processes=n if n is not None else (base.num_processes or self.num_processes),
             cpu=args.cpu or base.cpu or self.cpu,
             mixed_precision=mp or base.mixed_precision or self.mixed_precision,
-            allreduce=_choice(args.allreduce, ALLREDUCE, "--allreduce") or base.allreduce or self.allreduce,
-            timeout=_positive_float(args.timeout, "--timeout") or base.timeout or self.timeout,
+            allreduce=choice(args.allreduce, ALLREDUCE, "--allreduce") or base.allreduce or self.allreduce,
+            timeout=positive_float(args.timeout, "--timeout") or base.timeout or self.timeout,
             background=args.background,
-            max_restarts=_given(_count(args.max_restarts, "--max-restarts"), self.max_restarts),
-            **_nodes(args),
+            max_restarts=given(count(args.max_restarts, "--max-restarts"), self.max_restarts),
+            **nodes(args),
         )
-
-
-def _nodes(args: Any) -> dict[str, Any]:
-    """--nodes, --node-rank and --rdzv-endpoint as the request's fields: all three, or none."""
-    nodes = _positive_int(args.nodes, "--nodes") or 1
-    given = args.node_rank is not None or args.rdzv_endpoint is not None
-    if nodes == 1 and not given:
-        return {}
-    if nodes == 1:
-        raise UsageError("--node-rank and --rdzv-endpoint train across machines: add --nodes M, the number of them.")
-    if args.port is not None:
-        raise UsageError("--port is for one machine: across machines, node 0's port goes in --rdzv-endpoint.")
-    if args.node_rank is None or args.rdzv_endpoint is None:
-        raise UsageError(
-            f"--nodes {nodes} needs --node-rank (this machine's, 0 to {nodes - 1}) and --rdzv-endpoint HOST:PORT "
-            "(node 0's address, the same on every node)."
-        )
-    rank = args.node_rank.strip()
-    if not rank.isdigit():
-        raise UsageError(f"--node-rank must be a whole number from 0 to {nodes - 1}, not {args.node_rank!r}.")
-    return {"num_nodes": nodes, "node_rank": int(rank), "rdzv_endpoint": args.rdzv_endpoint}
-
-
-def _returns(args: Any, bound: tuple[str, ...]) -> tuple[str, ...] | None:
-    """The names to bring back; None for --no-return (nothing at all comes back then)."""
-    if args.no_return:
-        if args.returns is not None:
-            raise UsageError("--return and --no-return contradict each other: use one of them.")
-        return None
-    if args.returns is None:
-        return bound
-    names = tuple(n for n in args.returns.replace(",", " ").split() if n)
-    missing = [n for n in names if n not in bound]
-    if missing:
-        raise UsageError(
-            f"--return names {', '.join(missing)}, which the cell never binds: "
-            f"choose among {', '.join(bound) or 'nothing (the cell binds no names)'}."
-        )
-    return names

@@ -226,7 +226,7 @@ PRIVATE_APIS: list[tuple[str, tuple[str, ...], Callable[[], bool]]] = [
     ("accel_magic.launch.forks", ("_is_in_bad_fork",), _bad_fork_flag),
     ("accel_magic.launch.forks", ("_buffer_lock",), _stream_buffer_lock),
     ("accel_magic.launch.relay", ("session", "iopub_socket"), _kernel_session),
-    ("accel_magic.magics", ("_option_string_actions",), _argparse_actions),
+    ("accel_magic.options", ("_option_string_actions",), _argparse_actions),
     ("accel_magic.launch.shm", ("_get_ddp_logging_data",), _ddp_comm_hook_name),
 ]
 
