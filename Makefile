@@ -11,13 +11,22 @@ PINNED_LAYERS := tests/unit tests/ranks tests/shell tests/kernel
 $(VENV)/.installed: requirements/test.txt pyproject.toml
 	scripts/make_env.sh $(VENV) requirements/test.txt
 
-.venv-%/.installed: requirements/%.txt pyproject.toml
-	scripts/make_env.sh .venv-$* requirements/$*.txt
+# uv installs the pinned stacks: their torch is PyPI's CUDA build, several GB each, which it fetches in parallel.
+UV := .venv-uv/bin/uv
+.venv-uv/.installed:
+	rm -rf .venv-uv && python3 -m venv .venv-uv && .venv-uv/bin/pip install -q uv==0.13.9 && touch $@
+
+.venv-%/.installed: requirements/%.txt pyproject.toml | .venv-uv/.installed
+	scripts/make_env.sh .venv-$* requirements/$*.txt $(UV)
+
+# What mybinder.org builds from binder/ (its own Python and pins, this package installed by binder/postBuild).
+.venv-binder/.installed: scripts/make_binder_env.sh pyproject.toml $(wildcard binder/*) $(shell find accel_magic -name '*.py')
+	scripts/make_binder_env.sh .venv-binder
 
 env: $(VENV)/.installed
 
 # Every environment, built side by side (the downloads dominate).
-envs: $(VENV)/.installed $(foreach s,$(STACKS),.venv-$(s)/.installed)
+envs: $(VENV)/.installed $(foreach s,$(STACKS),.venv-$(s)/.installed) .venv-binder/.installed
 
 quickstart: $(VENV)/.installed
 	$(VENV)/bin/python scripts/run_notebook.py notebooks/01_quickstart.ipynb
@@ -32,7 +41,7 @@ chromium:
 
 # Today's releases: every layer, the binder/ environment and the browser included (classic Notebook runs from
 # Colab's environment).
-test-main: $(VENV)/.installed .venv-colab/.installed chromium
+test-main: $(VENV)/.installed .venv-colab/.installed .venv-binder/.installed chromium
 	$(VENV)/bin/python -m pytest -ra --durations=15
 
 # Takes docs/screenshots anew from JupyterLab (the browser layer checks that they are current).
@@ -43,9 +52,10 @@ screenshots: $(VENV)/.installed chromium
 $(addprefix test-,$(STACKS)): test-%: .venv-%/.installed
 	.venv-$*/bin/python -m pytest -ra --durations=15 $(PINNED_LAYERS)
 
-# The environments build in parallel; the tests run one stack at a time (they measure and time processes).
+# The environments (and Chromium) install in parallel; the tests run one stack at a time (they measure and time
+# processes).
 test:
-	$(MAKE) -j4 envs
+	$(MAKE) -j6 envs chromium
 	$(MAKE) lint test-main $(addprefix test-,$(STACKS))
 
 # Benchmarks: figures and ratios, written to bench/RESULTS.md; they never fail on speed.

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# make_env.sh DIR REQUIREMENTS: a virtual environment at DIR with the pinned REQUIREMENTS and this package
+# make_env.sh DIR REQUIREMENTS [UV]: a virtual environment at DIR with the pinned REQUIREMENTS and this package
 # installed over them (editable) with --no-deps, as `pip install accel-magic` in a running kernel keeps the
 # runtime's packages: the pins decide every version, and a test checks that they satisfy pyproject's ranges.
 # The first line of REQUIREMENTS, `# python X.Y`, names the interpreter, found through pyenv or on PATH.
+# Given UV (the path of a uv binary), uv installs the pins, fetching in parallel (a stack whose torch is PyPI's
+# CUDA build downloads several GB); without it pip does, which also finds the CPU wheel this machine keeps on disk.
 set -euo pipefail
-dir=$1 requirements=$2
+dir=$1 requirements=$2 uv=${3:-}
 version=$(sed -n '1s/^# python \([0-9.]*\)$/\1/p' "$requirements")
 [ -n "$version" ] || { echo "$requirements: the first line must be '# python X.Y'" >&2; exit 2; }
 if command -v pyenv >/dev/null && prefix=$(pyenv prefix "$version" 2>/dev/null); then
@@ -14,9 +16,13 @@ else
 fi
 rm -rf "$dir"
 "$python" -m venv "$dir"
-# No download cache: three CUDA builds of torch would leave about 9 GB of wheels behind beside the environments.
+# No download cache (pip's, uv's): three CUDA builds of torch would leave about 9 GB of wheels behind the environments.
 export PIP_NO_CACHE_DIR=1
 "$dir/bin/pip" install -q --upgrade pip
-"$dir/bin/pip" install -q -r "$requirements"
+if [ -n "$uv" ]; then
+    UV_NO_CACHE=1 "$uv" pip install -q --python "$dir/bin/python" -r "$requirements"
+else
+    "$dir/bin/pip" install -q -r "$requirements"
+fi
 "$dir/bin/pip" install -q --no-deps -e .
 touch "$dir/.installed"

@@ -1,45 +1,36 @@
 """binder/ builds what mybinder.org would build, and every notebook runs in it.
 
-repo2docker reads binder/runtime.txt (the Python), installs binder/requirements.txt with pip, then runs
-binder/postBuild from the repository's root. This test does the same in a fresh virtual environment, with
-two differences it states: the PyTorch CPU index line is not honoured (this machine reaches only PyPI; the
-same CPU wheel, torch 2.13.0+cpu, lies on its disk), and ipykernel and nbclient are added (repo2docker's
-base image brings the Jupyter server and ipykernel; nbclient runs the notebooks here).
+`scripts/make_binder_env.sh` builds it as repo2docker would (binder/runtime.txt's Python, binder/requirements.txt
+with pip, then binder/postBuild from the repository's root) at .venv-binder, with the two differences it states:
+PyTorch's CPU index line is not honoured (this machine reaches only PyPI; the same CPU wheel, torch 2.13.0+cpu,
+lies on its disk), and ipykernel and nbclient are added (repo2docker's base image brings the Jupyter server and
+ipykernel; nbclient runs the notebooks here). `make test` builds it beside the other environments; run alone, this
+test builds it when it is missing or older than what it is built from.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).parents[2]
-BINDER = ROOT / "binder"
-NOT_HONOURED = "--extra-index-url https://download.pytorch.org/whl/cpu"
-RUNNER_TOOLS = ["ipykernel==7.4.0", "nbclient==0.11.0", "nbformat==5.11.1"]
+BUILD = ROOT / "scripts" / "make_binder_env.sh"
+ENV = ROOT / ".venv-binder"
+
+
+def _built_from() -> list[Path]:
+    return [BUILD, ROOT / "pyproject.toml", *(ROOT / "binder").iterdir(), *(ROOT / "accel_magic").rglob("*.py")]
 
 
 @pytest.fixture(scope="module")
-def binder_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    version = (BINDER / "runtime.txt").read_text().strip().removeprefix("python-")
-    python = shutil.which(f"python{version}")
-    assert python, f"binder/runtime.txt asks for Python {version}, which this machine lacks"
-    env_dir = tmp_path_factory.mktemp("binder") / "env"
-    subprocess.run([python, "-m", "venv", str(env_dir)], check=True)
-    pip = [str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q"]
-    lines = (BINDER / "requirements.txt").read_text().splitlines()
-    assert NOT_HONOURED in lines, "binder/requirements.txt must keep PyTorch's CPU index for mybinder.org"
-    requirements = tmp_path_factory.mktemp("binder") / "requirements.txt"
-    requirements.write_text("\n".join(line for line in lines if line.strip() != NOT_HONOURED) + "\n")
-    print(f"binder: not honoured here: {NOT_HONOURED!r} (PyTorch's index is unreachable; the CPU wheel is on disk)")
-    subprocess.run([*pip, "-r", str(requirements), *RUNNER_TOOLS], check=True)
-    env = dict(os.environ, PATH=f"{env_dir / 'bin'}{os.pathsep}{os.environ['PATH']}", VIRTUAL_ENV=str(env_dir))
-    env.pop("PYTHONPATH", None)
-    subprocess.run([str(BINDER / "postBuild")], cwd=ROOT, env=env, check=True)
-    return env_dir
+def binder_env() -> Path:
+    done = ENV / ".installed"
+    if not done.exists() or any(p.stat().st_mtime > done.stat().st_mtime for p in _built_from()):
+        subprocess.run([str(BUILD), str(ENV)], check=True)
+    return ENV
 
 
 def test_binder_environment_installs_the_package_and_a_cpu_torch(binder_env: Path) -> None:

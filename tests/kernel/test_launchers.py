@@ -127,40 +127,42 @@ def test_a_failure_of_the_drop_in_is_torch_elastics_child_failed_error_carrying_
     ), cells.text(1)
 
 
-@pytest.mark.parametrize(
-    ("call", "says"),
-    [
-        ("master_addr='10.0.0.2'", r"master_addr='10.0.0.2' is for a launch across machines: add num_nodes=M"),
-        ("num_nodes=2, node_rank=2", r"node_rank must be below num_nodes \(2\): give each node a rank from 0 to 1\."),
-        ("num_nodes=2, rdzv_backend='etcd'", r"rdzv_backend must be 'static' or 'c10d', not 'etcd'"),
-        ("num_nodes=2, rdzv_conf={'join_timeout': 5}", r"rdzv_conf takes only 'timeout' .* not join_timeout"),
-        (
-            "num_nodes=2, node_rank=1, rdzv_conf={'rank': 0}",
-            r"^rdzv_conf=\{'rank': 0\} is not read \(accelerate numbers the nodes by node_rank, here 1\): give this "
-            r"node's rank as node_rank and leave 'rank' out of rdzv_conf\.$",
-        ),
-        ("max_restarts=-1", r"^max_restarts must be a whole number of at least 0, not -1\.$"),
-        (
-            "num_nodes=2, rdzv_endpoint='127.0.0.1:29400', max_restarts=1",
-            r"^Restarts are for ranks on one machine: leave max_restarts at 0 across machines, or train on one\.$",
-        ),
-        ("log_line_prefix_template='${rank}: '", r"log_line_prefix_template is not supported"),
-        ("num_processes=0", r"num_processes must be a whole number of at least 1, not 0\."),
-        ("num_processes=2, mixed_precision='fp17'", r"mixed"),
-        ("num_processes=2, use_port='http'", r"use_port must be a port number from 1 to 65535, not 'http'\."),
-    ],
-)
-def test_what_the_drop_in_cannot_honour_is_one_sentence(kernel_run, call: str, says: str) -> None:
+# What the drop-in refuses, and the sentence that says so: each call in a cell of one kernel, which must keep
+# everything the notebook had.
+CANNOT_HONOUR = [
+    ("master_addr='10.0.0.2'", r"master_addr='10.0.0.2' is for a launch across machines: add num_nodes=M"),
+    ("num_nodes=2, node_rank=2", r"node_rank must be below num_nodes \(2\): give each node a rank from 0 to 1\."),
+    ("num_nodes=2, rdzv_backend='etcd'", r"rdzv_backend must be 'static' or 'c10d', not 'etcd'"),
+    ("num_nodes=2, rdzv_conf={'join_timeout': 5}", r"rdzv_conf takes only 'timeout' .* not join_timeout"),
+    (
+        "num_nodes=2, node_rank=1, rdzv_conf={'rank': 0}",
+        r"^rdzv_conf=\{'rank': 0\} is not read \(accelerate numbers the nodes by node_rank, here 1\): give this "
+        r"node's rank as node_rank and leave 'rank' out of rdzv_conf\.$",
+    ),
+    ("max_restarts=-1", r"^max_restarts must be a whole number of at least 0, not -1\.$"),
+    (
+        "num_nodes=2, rdzv_endpoint='127.0.0.1:29400', max_restarts=1",
+        r"^Restarts are for ranks on one machine: leave max_restarts at 0 across machines, or train on one\.$",
+    ),
+    ("log_line_prefix_template='${rank}: '", r"log_line_prefix_template is not supported"),
+    ("num_processes=0", r"num_processes must be a whole number of at least 1, not 0\."),
+    ("num_processes=2, mixed_precision='fp17'", r"mixed"),
+    ("num_processes=2, use_port='http'", r"use_port must be a port number from 1 to 65535, not 'http'\."),
+]
+
+
+def test_what_the_drop_in_cannot_honour_is_one_sentence(kernel_run) -> None:
     cells = kernel_run(
         "from accel_magic import notebook_launcher\nkeep = 'mine'",
-        f"notebook_launcher(print, {call})",
+        *(f"notebook_launcher(print, {call})" for call, _ in CANNOT_HONOUR),
         "print(keep)",
         allow_errors=True,
     )
-    (error,) = [o for o in cells.outputs(1) if o["output_type"] == "error"]
-    assert error["ename"] == "LauncherError" and re.search(says, error["evalue"]), error
-    assert len(error["traceback"]) == 1  # one sentence, no traceback
-    assert cells.text(2).strip() == "mine"
+    for number, (call, says) in enumerate(CANNOT_HONOUR, start=1):
+        (error,) = [o for o in cells.outputs(number) if o["output_type"] == "error"]
+        assert error["ename"] == "LauncherError" and re.search(says, error["evalue"]), (call, error)
+        assert len(error["traceback"]) == 1, call  # one sentence, no traceback
+    assert cells.text(len(CANNOT_HONOUR) + 1).strip() == "mine"
 
 
 def test_the_drop_in_uses_the_port_it_is_given_and_refuses_one_in_use(kernel_run) -> None:
