@@ -220,25 +220,29 @@ FAILURES = [
 ]
 
 
-@pytest.mark.parametrize(("body", "headline"), [f[1:] for f in FAILURES], ids=[f[0] for f in FAILURES])
-def test_failure_names_the_root_rank_then_the_next_launch_works(kernel_run, body: str, headline: str) -> None:
-    cells = kernel_run(
-        SETUP,
-        "keep = 'before'",
-        f"%%accel_train -n 2\nkeep = 'changed'\n{body}\naccelerator.wait_for_everyone()",
-        "%%accel_train -n 2\nafter = accelerator.num_processes",
-        "print(keep, after)",
-        allow_errors=True,
-    )
-    (error,) = [o for o in cells.outputs(2) if o["output_type"] == "error"]
-    assert error["ename"] == "LaunchError"
-    assert error["evalue"].startswith(headline), error["evalue"]
-    assert error["evalue"].endswith("; the other ranks were stopped."), error["evalue"]
-    tb = "\n".join(error["traceback"])
-    if "raise" in body:
-        assert "Cell line 3" in tb and "elastic" not in tb
-    assert "ChildFailedError" not in cells.text(2)
-    assert cells.text(4).strip() == "before 2"
+def test_failure_names_the_root_rank_then_the_next_launch_works(kernel_run) -> None:
+    """Each failure in turn in one kernel: the launch after it works, and nothing the notebook had is lost."""
+    launches = [
+        (
+            "keep = 'before'",
+            f"%%accel_train -n 2\nkeep = 'changed'\n{body}\naccelerator.wait_for_everyone()",
+            "%%accel_train -n 2\nafter = accelerator.num_processes",
+            "print(keep, after)",
+        )
+        for _, body, _ in FAILURES
+    ]
+    cells = kernel_run(SETUP, *(cell for launch in launches for cell in launch), allow_errors=True)
+    for number, (name, body, headline) in enumerate(FAILURES):
+        failed = 2 + 4 * number
+        (error,) = [o for o in cells.outputs(failed) if o["output_type"] == "error"]
+        assert error["ename"] == "LaunchError", name
+        assert error["evalue"].startswith(headline), (name, error["evalue"])
+        assert error["evalue"].endswith("; the other ranks were stopped."), (name, error["evalue"])
+        tb = "\n".join(error["traceback"])
+        if "raise" in body:
+            assert "Cell line 3" in tb and "elastic" not in tb, name
+        assert "ChildFailedError" not in cells.text(failed), name
+        assert cells.text(failed + 2).strip() == "before 2", name
 
 
 # accel_magic's own machinery failing inside a rank, provoked by injected faults (stand-ins for a bug): before the
