@@ -40,8 +40,18 @@ class Job:
     their names. Every rank's output: `output`, and `last_line[rank]`; `rank_states[rank]` and `rank_times[rank]`
     (seconds it ran)."""
 
-    def __init__(self, shell: Any, code: CellCode, plan: Plan, *, name: str, result_name: str,
-                 returns: tuple[str, ...] | None, port: int | None, max_bytes: int):  # fmt: skip
+    def __init__(
+        self,
+        shell: Any,
+        code: CellCode,
+        plan: Plan,
+        *,
+        name: str,
+        result_name: str,
+        returns: tuple[str, ...] | None,
+        port: int | None,
+        max_bytes: int,
+    ):
         self.shell, self.plan, self.name = shell, plan, result_name
         self.status = "starting"
         self.outcome: LaunchOutcome | None = None
@@ -75,8 +85,9 @@ class Job:
         )
         hooks = Hooks(self._on_text, self._on_message, self._on_restart, stop=self._stop, watch=self._watch)
         results = Results(receive_payload, max_bytes)
-        self._spec: Launch | None = describe(body, plan, filename=code.filename, port=port, results=results,
-                                             hooks=hooks)  # fmt: skip
+        self._spec: Launch | None = describe(
+            body, plan, filename=code.filename, port=port, results=results, hooks=hooks
+        )
         self.view: StatusView | None = None  # the status widget, when the front end shows widgets
         self._refreshed = 0.0
         self._thread = threading.Thread(target=self._run, name="accel_magic-job", daemon=True)

@@ -73,8 +73,15 @@ def _check(log_line_prefix_template: str | None) -> None:
         )
 
 
-def _nodes(num_nodes: Any, node_rank: Any, master_addr: str, use_port: str, rdzv_backend: str, rdzv_endpoint: str,
-           rdzv_conf: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+def _nodes(
+    num_nodes: Any,
+    node_rank: Any,
+    master_addr: str,
+    use_port: str,
+    rdzv_backend: str,
+    rdzv_endpoint: str,
+    rdzv_conf: dict[str, Any] | None,
+) -> dict[str, Any]:
     """The multi-node options as the request's fields, as accelerate reads them: the rendezvous at
     `rdzv_endpoint`, else at `master_addr:use_port`."""
     if rdzv_backend not in RDZV_BACKENDS:
@@ -95,8 +102,11 @@ def _nodes(num_nodes: Any, node_rank: Any, master_addr: str, use_port: str, rdzv
             f"{node_rank!r}): give this node's rank as node_rank and leave 'rank' out of rdzv_conf."
         )
     if num_nodes == 1:
-        for name, value, default in (("node_rank", node_rank, 0), ("master_addr", master_addr, "127.0.0.1"),
-                                     ("rdzv_endpoint", rdzv_endpoint, "")):  # fmt: skip
+        for name, value, default in (
+            ("node_rank", node_rank, 0),
+            ("master_addr", master_addr, "127.0.0.1"),
+            ("rdzv_endpoint", rdzv_endpoint, ""),
+        ):
             if value != default:
                 raise LauncherError(
                     f"{name}={value!r} is for a launch across machines: add num_nodes=M (the number of machines), or "

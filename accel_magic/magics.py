@@ -265,8 +265,16 @@ class AccelMagics(Magics):
             raise UsageError(str(err)) from None
         if plan.background:
             try:
-                job = start_job(self.shell, code, plan, name=self.accelerator_name, result_name=result_name,
-                                returns=returns, port=port, max_bytes=int(max_mb * 2**20))  # fmt: skip
+                job = start_job(
+                    self.shell,
+                    code,
+                    plan,
+                    name=self.accelerator_name,
+                    result_name=result_name,
+                    returns=returns,
+                    port=port,
+                    max_bytes=int(max_mb * 2**20),
+                )
             except TrainError as err:
                 raise UsageError(str(err)) from None
             self.shell.user_ns[result_name] = job

@@ -89,8 +89,9 @@ class StatusView:
         )
         self.show_output = w.ToggleButton(description="Output", tooltip="Everything the ranks printed")
         self.output = w.HTML(layout=w.Layout(display="none"))
-        self.widget = w.VBox([self.head, self.table, self.displays, w.HBox([self.stop_button, self.show_output]),
-                              self.output])  # fmt: skip
+        self.widget = w.VBox(
+            [self.head, self.table, self.displays, w.HBox([self.stop_button, self.show_output]), self.output]
+        )
         self.stop_button.on_click(self._stop)
         self.show_output.observe(self._toggle, names="value")
         self._shown: list[tuple[str | None, dict[str, Any]]] = []  # rank 0's displays: (display_id, data)

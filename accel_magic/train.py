@@ -46,8 +46,17 @@ class CellBody:
     """What each rank runs: a fresh accelerator (setup), the cell in the rank's copy of the namespace (run),
     and on rank 0 the results written into the launch's private folder (results: the manifest)."""
 
-    def __init__(self, cell: CellCode, ns: dict[str, Any], *, make_accelerator: Callable[[], Any], name: str,
-                 returns: tuple[str, ...] | None, notebook: Mapping[int, tuple[str, Any]], max_bytes: int):  # fmt: skip
+    def __init__(
+        self,
+        cell: CellCode,
+        ns: dict[str, Any],
+        *,
+        make_accelerator: Callable[[], Any],
+        name: str,
+        returns: tuple[str, ...] | None,
+        notebook: Mapping[int, tuple[str, Any]],
+        max_bytes: int,
+    ):
         self.cell, self.ns, self.make_accelerator, self.name = cell, ns, make_accelerator, name
         self.returns, self.notebook, self.max_bytes = returns, notebook, max_bytes
         self.prepared: dict[int, Any] = {}
@@ -115,8 +124,16 @@ def plan_nodes(plan: Plan, run_id: str = "", rdzv_timeout: float | None = None) 
     return Nodes(plan.num_nodes, plan.node_rank, host, run_id, rdzv_timeout or plan.timeout)
 
 
-def describe(body: RankBody, plan: Plan, *, filename: str, port: int | None, results: Results | None = None,
-             hooks: Hooks | None = None, nodes: Nodes | None = None) -> Launch:  # fmt: skip
+def describe(
+    body: RankBody,
+    plan: Plan,
+    *,
+    filename: str,
+    port: int | None,
+    results: Results | None = None,
+    hooks: Hooks | None = None,
+    nodes: Nodes | None = None,
+) -> Launch:
     """The launch of `body` as the plan's ranks: their environment from the plan, the machines (`nodes`, by
     default the plan's), and the port (across machines, node 0's from the plan's endpoint)."""
     ranks = Ranks(
@@ -161,8 +178,7 @@ def start(spec: Launch, plan: Plan, door: FrontDoor = CELL) -> None:
     print(launch_banner(plan))
 
 
-def launch_failure(outcome: LaunchOutcome, plan: Plan,
-                   door: FrontDoor = CELL) -> Exception | KeyboardInterrupt | None:  # fmt: skip
+def launch_failure(outcome: LaunchOutcome, plan: Plan, door: FrontDoor = CELL) -> Exception | KeyboardInterrupt | None:
     """The launch's last step in every front door: the one exception that says how it went wrong
     (LaunchInterrupted is a KeyboardInterrupt), or None."""
     if outcome.interrupted:
@@ -211,8 +227,9 @@ def launch_plan(spec: Launch, plan: Plan, door: FrontDoor = CELL) -> LaunchOutco
     return outcome
 
 
-def bring_back(outcome: LaunchOutcome, ns: dict[str, Any], before: Mapping[str, Any] | None = None,
-               held_in: str = "") -> tuple[list[str], dict[str, Any]]:  # fmt: skip
+def bring_back(
+    outcome: LaunchOutcome, ns: dict[str, Any], before: Mapping[str, Any] | None = None, held_in: str = ""
+) -> tuple[list[str], dict[str, Any]]:
     """Apply rank 0's results to the notebook, each name in full; returns the names applied, and the values held
     back. What could not come is in `outcome.skipped`. With `before` (the namespace when a background launch
     started), a name the notebook rebound since then keeps its new value: the launch's is held back, by name, and
@@ -274,8 +291,17 @@ def results_interrupted(outcome: LaunchOutcome) -> LaunchInterrupted:
     )
 
 
-def run_ranks(shell: Any, code: CellCode, plan: Plan, *, name: str, result_name: str, returns: tuple[str, ...] | None,
-              port: int | None, max_bytes: int) -> None:  # fmt: skip
+def run_ranks(
+    shell: Any,
+    code: CellCode,
+    plan: Plan,
+    *,
+    name: str,
+    result_name: str,
+    returns: tuple[str, ...] | None,
+    port: int | None,
+    max_bytes: int,
+) -> None:
     """Run the cell as the plan's ranks and apply rank 0's results to the notebook at once (nothing changes
     when the launch fails or is interrupted; an interrupt while they are applied leaves each name applied in full
     or as it was). `result_name` gets the outcome of every launch that ran, or was stopped before it could."""

@@ -176,8 +176,9 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
     return outcome
 
 
-def _interrupt(relay: Relay, done: Event, ours: Callable[[], list[Any]], nprocs: int, again: Event,
-               grace: float = 1.0) -> None:  # fmt: skip
+def _interrupt(
+    relay: Relay, done: Event, ours: Callable[[], list[Any]], nprocs: int, again: Event, grace: float = 1.0
+) -> None:
     """Interrupt the ranks (the front end may not have) and give them `grace` seconds to end on their own, each
     with a record of where its cell was; what is left is stopped after, at once after a second interrupt."""
     processes.interrupt(ours())

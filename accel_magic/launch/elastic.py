@@ -109,8 +109,9 @@ def served_store(fd: int | None) -> Any:
     return _stores.get(fd) if fd is not None else None
 
 
-def launch_config(nprocs: int, port: int, log_dir: str, monitor: float, listen_fd: int | None,
-                  nodes: Nodes = ONE_NODE) -> Any:  # fmt: skip
+def launch_config(
+    nprocs: int, port: int, log_dir: str, monitor: float, listen_fd: int | None, nodes: Nodes = ONE_NODE
+) -> Any:
     """`nprocs` forked ranks on this node, no restarts, logs in the launch's folder; the rendezvous on
     `nodes.host` (127.0.0.1 for one node), served from `listen_fd` on node 0."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs

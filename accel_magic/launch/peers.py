@@ -70,8 +70,9 @@ class Peers:
 
         try:  # not counted among the rendezvous' workers
             with _STORE_CALL:
-                self.store = TCPStore(self.nodes.host, self.port, None, False, timedelta(seconds=5),
-                                      wait_for_workers=False)  # fmt: skip
+                self.store = TCPStore(
+                    self.nodes.host, self.port, None, False, timedelta(seconds=5), wait_for_workers=False
+                )
         except Exception:
             self.failure = "node 0's rendezvous store did not answer"
 

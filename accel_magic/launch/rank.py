@@ -141,8 +141,9 @@ def _flush() -> None:
 class RankProgram:
     """Everything a rank needs, inherited through fork; calling it runs the rank whose RANK the agent set."""
 
-    def __init__(self, spec: Launch, env: dict[str, str], pipes: Pipes, workdir: Workdir, port: int,
-                 detach: bool = False):  # fmt: skip
+    def __init__(
+        self, spec: Launch, env: dict[str, str], pipes: Pipes, workdir: Workdir, port: int, detach: bool = False
+    ):
         self.spec, self.body, self.ranks, self.env = spec, spec.body, spec.ranks, env
         self.pipes, self.workdir, self.port, self.detach = pipes, workdir, port, detach
         self.first_rank, self.cell_filename = spec.first_rank, spec.filename
@@ -252,8 +253,9 @@ class RankProgram:
             tb = "" if user_facing else cell_traceback(err, self.cell_filename)
             return RankFailure(rank, 1, kind, summary, tb, time.time())
         tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-        return RankFailure(rank, INTERNAL_EXIT, "internal", f"{phase} the cell ran: {summary}", tb, time.time(),
-                           self.ranks.versions())  # fmt: skip
+        return RankFailure(
+            rank, INTERNAL_EXIT, "internal", f"{phase} the cell ran: {summary}", tb, time.time(), self.ranks.versions()
+        )
 
     def _record(self, kind: Any, rank: int, record: Any) -> None:
         """Write a record; when even that fails, say so on the rank's stderr (the cell's output)."""

@@ -122,8 +122,13 @@ class Relay:
     to learn how and when it ended before anyone reaps it. Ranks are named in the whole group: this node's
     pipes belong to ranks `first_rank` on, and the first of them sends the kernel messages."""
 
-    def __init__(self, pipes: Pipes, on_text: Callable[[int, str, str], None],
-                 on_message: Callable[[dict[str, Any]], None], first_rank: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        pipes: Pipes,
+        on_text: Callable[[int, str, str], None],
+        on_message: Callable[[dict[str, Any]], None],
+        first_rank: int = 0,
+    ):
         self.lines = RankLines()
         self.on_text, self.on_message = on_text, on_message
         self.first_rank = first_rank
@@ -233,12 +238,28 @@ def capture_kernel_messages(rank: int, msg_fd: int) -> None:
         return
     iopub = getattr(kernel, "iopub_socket", None)
 
-    def send(stream: Any, msg_or_type: Any, content: Any = None, parent: Any = None, ident: Any = None,
-             buffers: Any = None, track: bool = False, header: Any = None, metadata: Any = None) -> Any:  # fmt: skip
+    def send(
+        stream: Any,
+        msg_or_type: Any,
+        content: Any = None,
+        parent: Any = None,
+        ident: Any = None,
+        buffers: Any = None,
+        track: bool = False,
+        header: Any = None,
+        metadata: Any = None,
+    ) -> Any:
         if rank != 0 or stream is not iopub:
             return None
-        message = {"msg_or_type": msg_or_type, "content": content, "parent": parent, "ident": ident,
-                   "buffers": [bytes(b) for b in buffers or []], "header": header, "metadata": metadata}  # fmt: skip
+        message = {
+            "msg_or_type": msg_or_type,
+            "content": content,
+            "parent": parent,
+            "ident": ident,
+            "buffers": [bytes(b) for b in buffers or []],
+            "header": header,
+            "metadata": metadata,
+        }
         with contextlib.suppress(Exception):
             os.write(msg_fd, frame(message))
         return None
