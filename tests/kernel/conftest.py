@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import inspect
 import os
+import queue
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -215,6 +216,16 @@ class LiveKernel:
                 return msg_id
 
     def collect(self, msg_id: str, timeout: float = 120) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        reply, outputs = self.collect_any(msg_id, timeout, timeout)
+        assert reply is not None, f"the kernel went idle and sent no reply within {timeout} s"
+        return reply, outputs
+
+    def collect_any(
+        self, msg_id: str, timeout: float = 120, reply_timeout: float = 5
+    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """The request's reply and outputs; None for the reply when the kernel went idle and sent none within
+        `reply_timeout` s: ipykernel logs "KeyboardInterrupt caught in kernel." and sends no reply when an interrupt
+        comes while it handles the request outside IPython's run_cell (a few milliseconds before and after it)."""
         outputs = []
         while True:
             msg = self.kc.get_iopub_msg(timeout=timeout)
@@ -225,9 +236,12 @@ class LiveKernel:
                 break
             if kind in ("stream", "error", "display_data", "execute_result"):
                 outputs.append({"output_type": kind, **content})
-        reply = self.kc.get_shell_msg(timeout=timeout)
-        while reply["parent_header"].get("msg_id") != msg_id:  # a kernel_info reply left from a slow start
-            reply = self.kc.get_shell_msg(timeout=timeout)
+        try:
+            reply = self.kc.get_shell_msg(timeout=reply_timeout)
+            while reply["parent_header"].get("msg_id") != msg_id:  # a kernel_info reply left from a slow start
+                reply = self.kc.get_shell_msg(timeout=reply_timeout)
+        except queue.Empty:
+            return None, outputs
         return reply["content"], outputs
 
     def text(self, code: str, timeout: float = 120) -> str:
