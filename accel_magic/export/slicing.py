@@ -59,13 +59,12 @@ def read_cells(history: Sequence[tuple[int, str]], transform: Callable[[str], st
             if tree is None:
                 raise SyntaxError
             source = translator.source(source, first_line, tree)
-            tree = ast.parse(source)
+            names = needed_names(ast.parse(source))  # SyntaxError too for code that parses but does not compile
         except SyntaxError:
             error = ExportError(f"Cell [{count}] is not valid Python: fix it, run it again, and export again.")
-            tree = ast.Module(body=[], type_ignores=[])
+            names = needed_names(ast.Module(body=[], type_ignores=[]))
         if translator.refused:
             error = min(translator.refused, key=lambda refused: refused[0])[1]
-        names = needed_names(tree)
         cells.append(Cell(count, source, first_line, training, names, error, frozenset(translator.needs)))
     return cells
 
