@@ -9,9 +9,9 @@ import linecache
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import CodeType
-from typing import Any
 
 from .errors import CellError
+from .scope import bindings
 
 __all__ = [
     "CellError",
@@ -61,72 +61,12 @@ def magics_called(tree: ast.Module) -> tuple[tuple[str, str], ...]:
     return tuple(found)
 
 
-class _Bindings(ast.NodeVisitor):
-    """Names bound at the cell's top level (not inside functions, classes, lambdas or comprehensions)."""
-
-    def __init__(self) -> None:
-        self.names: dict[str, None] = {}
-
-    def add(self, name: str) -> None:
-        if not (name == "_" or (name.startswith("__") and name.endswith("__"))):
-            self.names.setdefault(name, None)
-
-    def visit_Name(self, node: ast.Name) -> None:
-        if isinstance(node.ctx, ast.Store):
-            self.add(node.id)
-
-    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
-        self.add(node.name)
-        for deco in node.decorator_list:
-            self.visit(deco)
-
-    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
-
-    def visit_ClassDef(self, node: ast.ClassDef) -> None:
-        self.add(node.name)
-        for deco in node.decorator_list:
-            self.visit(deco)
-
-    def visit_Lambda(self, node: ast.Lambda) -> None:
-        pass
-
-    def _comprehension(self, node: ast.AST) -> None:
-        for gen in getattr(node, "generators", []):
-            self.visit(gen.iter)  # only the walrus in the outermost iterable can bind at top level
-
-    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _comprehension  # type: ignore[assignment]
-
-    def visit_Import(self, node: ast.Import) -> None:
-        for alias in node.names:
-            self.add(alias.asname or alias.name.split(".")[0])
-
-    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
-        for alias in node.names:
-            if alias.name != "*":
-                self.add(alias.asname or alias.name)
-
-    def visit_ExceptHandler(self, node: ast.ExceptHandler) -> None:
-        if node.name:
-            self.add(node.name)
-        self.generic_visit(node)
-
-    def visit_MatchAs(self, node: Any) -> None:
-        if node.name:
-            self.add(node.name)
-        self.generic_visit(node)
-
-    def visit_MatchStar(self, node: Any) -> None:
-        if node.name:
-            self.add(node.name)
-
-
 def top_level_names(tree: ast.Module) -> tuple[str, ...]:
-    """Names the cell binds at top level, in order of first binding. Dynamic bindings (exec, globals()[...])
-    are not seen."""
-    visitor = _Bindings()
-    for stmt in tree.body:
-        visitor.visit(stmt)
-    return tuple(visitor.names)
+    """Names the cell binds at top level, in order of first binding, but `_` and dunders (not results). Dynamic
+    bindings (exec, globals()[...]) are not seen."""
+    return tuple(
+        name for name in bindings(tree) if not (name == "_" or (name.startswith("__") and name.endswith("__")))
+    )
 
 
 def _is_blank(source: str) -> bool:

@@ -322,6 +322,13 @@ def test_a_name_no_earlier_cell_defines_is_named_with_the_cell(tmp_path: Path) -
         export("model = helper()", "%%accel_train\nmodel.fit()", tmp=tmp_path)
 
 
+def test_a_cell_that_parses_but_does_not_compile_is_refused_as_invalid_where_taken(tmp_path: Path) -> None:
+    broken = "z = 1\nnonlocal x"  # ast.parse takes it; the compiler's symbol tables do not
+    assert taken(export(broken, "y = 2", "%%accel_train\nprint(y)", tmp=tmp_path)) == [2, 3]
+    with pytest.raises(ExportError, match=r"^Cell \[2\] is not valid Python: fix it, run it again"):
+        export("y = 2", "%%accel_train\n" + broken, tmp=tmp_path)
+
+
 def test_a_name_bound_later_in_the_cell_itself_is_its_own(tmp_path: Path) -> None:
     source = "%%accel_train\nfor i in range(3):\n    if i:\n        print(prev)\n    prev = i"
     assert taken(export(source, tmp=tmp_path)) == [1]
