@@ -58,8 +58,9 @@ def export_from_history(shell: Any, path: str, port: int, plan: Any, accelerator
         threads_per_process=made.threads_per_process,
         accelerator_name=accelerator_name,
     )
-    return export_training_cell(history, shell.transform_cell, count, settings, script=path, port=port,
-                                source=notebook_name(shell))  # fmt: skip
+    return export_training_cell(
+        history, shell.transform_cell, count, settings, script=path, port=port, source=notebook_name(shell)
+    )
 
 
 def export_training_cell(

@@ -221,8 +221,16 @@ def _docstring_text(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
 
 
-def script_text(cells: list[Cell], reasons: dict[int, str], settings: Settings, runs: tuple[str, ...], source: str,
-            display: bool, training: int, needs: set[str]) -> str:  # fmt: skip
+def script_text(
+    cells: list[Cell],
+    reasons: dict[int, str],
+    settings: Settings,
+    runs: tuple[str, ...],
+    source: str,
+    display: bool,
+    training: int,
+    needs: set[str],
+) -> str:
     name = settings.accelerator_name
     taken, run_lines = _listing(((c.count, reasons[c.count]) for c in cells), runs)
     header = f'''"""Training script exported by accel_magic's %accel_export from {_docstring_text(source)}.
