@@ -8,13 +8,13 @@ PINNED_LAYERS := tests/unit tests/ranks tests/shell tests/kernel
 
 .PHONY: env envs quickstart test lint test-main $(addprefix test-,$(STACKS)) bench chromium screenshots gpu-check
 
-$(VENV)/.installed: requirements/test.txt pyproject.toml
-	scripts/make_env.sh $(VENV) requirements/test.txt
-
-# uv installs the pinned stacks: their torch is PyPI's CUDA build, several GB each, which it fetches in parallel.
+# uv installs the environments' pins, fetching in parallel (a pinned stack's torch is PyPI's CUDA build, GBs).
 UV := .venv-uv/bin/uv
 .venv-uv/.installed:
 	rm -rf .venv-uv && python3 -m venv .venv-uv && .venv-uv/bin/pip install -q uv==0.13.9 && touch $@
+
+$(VENV)/.installed: requirements/test.txt pyproject.toml | .venv-uv/.installed
+	scripts/make_env.sh $(VENV) requirements/test.txt $(UV)
 
 .venv-%/.installed: requirements/%.txt pyproject.toml | .venv-uv/.installed
 	scripts/make_env.sh .venv-$* requirements/$*.txt $(UV)

@@ -4,7 +4,8 @@
 # runtime's packages: the pins decide every version, and a test checks that they satisfy pyproject's ranges.
 # The first line of REQUIREMENTS, `# python X.Y`, names the interpreter, found through pyenv or on PATH.
 # Given UV (the path of a uv binary), uv installs the pins, fetching in parallel (a stack whose torch is PyPI's
-# CUDA build downloads several GB); without it pip does, which also finds the CPU wheel this machine keeps on disk.
+# CUDA build downloads several GB), and looks where pip is told to look (PIP_FIND_LINKS, or pip's configuration):
+# where this kind of machine keeps its CPU wheel of torch. Without UV, pip installs them.
 set -euo pipefail
 dir=$1 requirements=$2 uv=${3:-}
 version=$(sed -n '1s/^# python \([0-9.]*\)$/\1/p' "$requirements")
@@ -20,7 +21,11 @@ rm -rf "$dir"
 export PIP_NO_CACHE_DIR=1
 "$dir/bin/pip" install -q --upgrade pip
 if [ -n "$uv" ]; then
-    UV_NO_CACHE=1 "$uv" pip install -q --python "$dir/bin/python" -r "$requirements"
+    links=${PIP_FIND_LINKS:-$("$dir/bin/pip" config get global.find-links 2>/dev/null || true)}
+    [ -z "$links" ] || export UV_FIND_LINKS=${links// /,}
+    # compiled to bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set, nothing else ever compiles it, and
+    # every kernel and process would compile torch anew (about 1.5 s more for each import of torch)
+    UV_NO_CACHE=1 UV_COMPILE_BYTECODE=1 "$uv" pip install -q --python "$dir/bin/python" -r "$requirements"
 else
     "$dir/bin/pip" install -q -r "$requirements"
 fi
