@@ -28,7 +28,10 @@ def run(path: str, timeout: int = 300) -> nbformat.NotebookNode:
     """Execute in the notebook's own folder, as Jupyter does."""
     nb = nbformat.read(path, as_version=4)
     folder = str(Path(path).resolve().parent)
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": folder}}).execute()
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": folder}})
+    # a cell's last outputs may trail its reply on a busy machine: wait for them, and fail rather than lose them
+    client.iopub_timeout, client.raise_on_iopub_timeout = 30, True
+    client.execute()
     return nb
 
 

@@ -134,6 +134,8 @@ def run_cells(*sources: str, timeout: int = 300, allow_errors: bool = False) -> 
     nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
     km = SPARES.take()
     client = NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3", allow_errors=allow_errors)
+    # a cell's last outputs may trail its reply on a busy machine: wait for them, and fail rather than lose them
+    client.iopub_timeout, client.raise_on_iopub_timeout = 30, True
     try:
         client.execute()
     finally:

@@ -73,6 +73,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
         client = NotebookClient(
             nb, timeout=TIMEOUT, kernel_name="python3", resources={"metadata": {"path": str(folder)}}
         )
+        client.iopub_timeout, client.raise_on_iopub_timeout = 30, True  # as run_cells: no output lost
         client.execute()
     summary = "".join(o.get("text", "") for o in nb.cells[-1].outputs)
     return Exported(folder, summary)

@@ -19,7 +19,10 @@ def execute(name: str, folder: Path = NOTEBOOKS) -> tuple[list[str], float]:
     """Run the notebook in `folder` (its own by default), as Jupyter does."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     start = time.monotonic()
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(folder)}}).execute()
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(folder)}})
+    # a cell's last outputs may trail its reply on a busy machine: wait for them, and fail rather than lose them
+    client.iopub_timeout, client.raise_on_iopub_timeout = 30, True
+    client.execute()
     took = time.monotonic() - start
     texts = []
     for cell in nb.cells:
