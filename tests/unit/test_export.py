@@ -500,7 +500,7 @@ def test_the_script_compiles_and_its_header_lists_the_cells_and_commands(tmp_pat
     assert "accel_magic" not in result.script.split('"""', 2)[2]
     imports = {n.names[0].name.split(".")[0] for n in ast.walk(ast.parse(result.script)) if isinstance(n, ast.Import)}
     imports |= {n.module.split(".")[0] for n in ast.walk(ast.parse(result.script)) if isinstance(n, ast.ImportFrom)}
-    assert imports <= {"argparse", "datetime", "accelerate", "torch", "os", "sys"}
+    assert imports <= {"argparse", "datetime", "accelerate", "torch", "os", "sys", "time"}
     assert 'cpu=True,\n    mixed_precision="no",\n' in result.script and "timedelta(seconds=900)" in result.script
 
 
