@@ -15,6 +15,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from . import shm
+from .adopt import adopt_init_process_group
 from .outcome import FailureKind, RankFailure
 from .processes import REAL_EXIT
 from .relay import Pipes, capture_kernel_messages, frame
@@ -221,6 +222,7 @@ class RankProgram:
         torch.set_num_threads(self.ranks.threads)
         if not dist.is_initialized():
             dist.init_process_group(self.ranks.backend, timeout=timedelta(seconds=self.ranks.timeout))
+        adopt_init_process_group(self.ranks.backend, print)
         if os.environ.get(shm.ENV) == "shm" and dist.get_world_size() > 1:
             shm.install(self.workdir.segment, self.ranks.timeout, self.ranks.cpus)
         self.body.setup(local)

@@ -1,0 +1,78 @@
+"""In a rank, the user's own `torch.distributed.init_process_group(...)` adopts the group the launch made, as
+long as its arguments agree with it, instead of failing with "trying to initialize the default process group
+twice"; arguments that disagree end in one sentence naming the launch's values."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["adopt_init_process_group"]
+
+BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "xla", "undefined")
+
+
+def _backends(backend: Any) -> set[str]:
+    """The backends a `backend` argument asks for: "gloo", or each of "cpu:gloo,cuda:nccl"."""
+    parts = [p.split(":")[-1].strip().lower() for p in str(backend).split(",")]
+    return {p for p in parts if p}
+
+
+def disagreement(args: dict[str, Any], backend: str, world_size: int, rank: int) -> str | None:
+    """What in the call's arguments differs from the launch's group, worded for the user, or None."""
+    group = f"this launch's process group has {world_size} ranks on {backend} and this process is rank {rank}"
+    asked = args.get("backend")
+    if asked is not None and backend not in _backends(asked) and "undefined" not in _backends(asked):
+        return f"init_process_group(backend={asked!r}) does not match: {group}; leave backend out or pass {backend!r}"
+    if args.get("world_size", -1) not in (-1, None, world_size):
+        ws = args["world_size"]
+        return (
+            f"init_process_group(world_size={ws!r}) does not match: {group}; leave world_size out or pass {world_size}"
+        )
+    if args.get("rank", -1) not in (-1, None, rank):
+        return (
+            f"init_process_group(rank={args['rank']!r}) does not match: {group}; leave rank out or pass "
+            "int(os.environ['RANK'])"
+        )
+    return None
+
+
+def adopt_init_process_group(backend: str, note: Callable[[str], None]) -> None:
+    """From now on in this process, the first init_process_group while the launch's group is up checks its
+    arguments against the group and adopts it (rank 0 gives `note` one line); after that, or once the group was
+    destroyed, it is torch's own, as in a script. Every name bound to torch's function in a loaded module (`from
+    torch.distributed import init_process_group` in the notebook) gets the same."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.init_process_group
+    signature = inspect.signature(original)
+    adopted = False
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        nonlocal adopted
+        if adopted or not dist.is_initialized():
+            return original(*args, **kwargs)
+        problem = disagreement(
+            signature.bind(*args, **kwargs).arguments, backend, dist.get_world_size(), dist.get_rank()
+        )
+        if problem:
+            raise ValueError(problem)
+        adopted = True
+        if dist.get_rank() == 0:
+            note(
+                f"accel_magic: init_process_group joined the launch's process group ({backend}, "
+                f"{dist.get_world_size()} ranks) rather than making a second one"
+            )
+
+    init_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+    init_process_group.__doc__ = original.__doc__
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict):
+            continue
+        for name, value in list(names.items()):
+            if value is original:
+                names[name] = init_process_group
