@@ -31,6 +31,7 @@ def _show_with_hint(shell: Any, etype: type, value: BaseException, tb: Any, tb_o
 
 
 def load_ipython_extension(ipython: Any) -> None:
+    from . import spawn
     from .launch import forks  # noqa: F401  (every fork in the kernel waits for its output streams from here on)
     from .magics import AccelMagics
     from .session import current
@@ -40,6 +41,7 @@ def load_ipython_extension(ipython: Any) -> None:
         os.environ[NVML_CHECK] = "1"
         session.env_set.add(NVML_CHECK)
     ipython.register_magics(AccelMagics)
+    spawn.hook(ipython)  # torch's spawn of a notebook function runs through the launcher
     if not ipython.custom_exceptions:  # another extension's handler is left alone
         ipython.set_custom_exc((ValueError,), _show_with_hint)
         session.hint_shell = ipython
@@ -59,6 +61,9 @@ def unload_ipython_extension(ipython: Any) -> None:
             manager.magics[kind].pop(name, None)
     if instance is not None and instance in ipython.configurables:
         ipython.configurables.remove(instance)
+    spawn = sys.modules.get(f"{__name__}.spawn")
+    if spawn is not None:
+        spawn.unhook()
     session = drop()
     if session is not None and session.hint_shell is ipython and ipython.custom_exceptions == (ValueError,):
         ipython.set_custom_exc((), None)  # IPython's default

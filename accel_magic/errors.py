@@ -7,6 +7,7 @@ LaunchInterrupted is one line. The words of a launch's failure come from `launch
 from __future__ import annotations
 
 import functools
+import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ __all__ = [
     "LaunchError",
     "LaunchInterrupted",
     "ranks_failed",
+    "processes_failed",
 ]
 
 
@@ -62,7 +64,8 @@ class TrainError(OneSentence, RuntimeError):
 
 
 class LauncherError(OneSentence, ValueError):
-    """An argument notebook_launcher cannot honour here (a ValueError, as accelerate raises for bad arguments)."""
+    """An argument notebook_launcher or torch's spawn cannot honour here (a ValueError, as they raise for bad
+    arguments)."""
 
 
 class ResultsTooLarge(OneSentence):
@@ -132,6 +135,36 @@ def ranks_failed(headline: str, details: str, outcome: LaunchOutcome) -> LaunchE
             failures[f.rank] = failure
         err.name, err.failures = "accel_train", failures  # type: ignore[attr-defined]
     return err
+
+
+@functools.cache
+def _processes_failed_type(exited: bool) -> type[LaunchError]:
+    """LaunchError that is also torch.multiprocessing's ProcessExitedException (a process that ended without
+    raising) or ProcessRaisedException (one that raised), as torch's spawn raises."""
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    class ProcessesFailed(LaunchError, ProcessExitedException if exited else ProcessRaisedException):
+        __doc__ = LaunchError.__doc__
+
+    ProcessesFailed.__name__ = ProcessesFailed.__qualname__ = "LaunchError"
+    return ProcessesFailed
+
+
+def processes_failed(err: LaunchError) -> LaunchError:
+    """The failure of torch's spawn run by the launcher: the same words, as torch's exception for the process
+    where it started (`error_index`, `error_pid`; `exit_code` and `signal_name` for one that did not raise)."""
+    outcome = err.outcome
+    root = outcome.root_cause() if outcome is not None else None
+    if root is None:
+        return err
+    exited = root.kind in ("exit", "signal")
+    failed = _processes_failed_type(exited)(err.headline, err.details, outcome)
+    failed.error_index, failed.error_pid = root.rank, outcome.pids.get(root.rank)  # type: ignore[attr-defined,union-attr]
+    if exited:
+        code = root.exitcode
+        failed.exit_code = code  # type: ignore[attr-defined]
+        failed.signal_name = signal.Signals(-code).name if code is not None and code < 0 else None  # type: ignore[attr-defined]
+    return failed
 
 
 # Front ends and notebooks name an error by its class (the reply's ename): this one is a KeyboardInterrupt to them.

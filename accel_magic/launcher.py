@@ -11,7 +11,6 @@ through this module (`guard_accelerate_launcher`); `restore_accelerate_launcher`
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +25,15 @@ from .plan import Plan, Request, make_plan
 from .results import pack_payload, receive_payload
 from .runtime import probe
 from .session import current
-from .train import FrontDoor, describe, launch_interrupted, launch_plan, plan_nodes, stopped_before_start
+from .train import (
+    FrontDoor,
+    describe,
+    function_source,
+    launch_interrupted,
+    launch_plan,
+    plan_nodes,
+    stopped_before_start,
+)
 
 __all__ = [
     "notebook_launcher",
@@ -134,14 +141,7 @@ def _port(value: Any) -> int | None:
     return int(text)
 
 
-def _source(function: Callable[..., Any], filename: str) -> str:
-    """What holds the function, as an interrupt names it: the notebook cell that defined it, or its file."""
-    if getattr(function, "__module__", None) == "__main__":
-        return f"{getattr(function, '__name__', 'the function')}'s cell"
-    return os.path.basename(filename) or "the function"
-
-
-def _plan(request: Request) -> Plan:
+def plan_here(request: Request) -> Plan:
     """The plan for the request on this machine now; a request it cannot honour is one LauncherError."""
     from IPython import get_ipython
 
@@ -190,7 +190,7 @@ def notebook_launcher(
             raise LauncherError(f"function must be callable, not a {type(function).__name__}.")
         port = _port(use_port)
         nodes = _nodes(num_nodes, node_rank, master_addr, str(use_port), rdzv_backend, rdzv_endpoint, rdzv_conf)
-        plan = _plan(
+        plan = plan_here(
             Request(
                 cpu=setup_plan is not None and setup_plan.request.cpu,  # %accel_setup --cpu holds for launches
                 num_processes=_num_processes(num_processes),
@@ -225,7 +225,7 @@ def notebook_launcher(
             "node_rank",
             "num_nodes, rdzv_id and rdzv_endpoint (or master_addr and use_port)",
         ),
-        source=_source(function, filename),
+        source=function_source(function, filename),
     )
     outcome = launch_plan(spec, plan, door)
     if outcome.received is None:

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from .jobs import Job
     from .plan import Plan
 
-__all__ = ["Session", "current", "drop"]
+__all__ = ["Session", "current", "existing", "drop"]
 
 
 @dataclass
@@ -23,6 +23,9 @@ class Session:
     panel_shown: tuple[int, int] | None = None  # (plan id, execution count) of the panel the magic showed
     last_job: Job | None = None  # the latest background launch; its results wait for the next cell once it ended
     hooked: Any = None  # the shell whose pre_run_cell event applies them
+    spawn_hooked: Any = None  # the shell whose pre_run_cell event wraps torch's spawn (spawn.hook)
+    # where torch's spawn and start_processes were wrapped: (namespace, name, torch's function)
+    spawn_patched: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)
 
 
 _current: Session | None = None
@@ -33,6 +36,11 @@ def current() -> Session:
     global _current
     if _current is None:
         _current = Session()
+    return _current
+
+
+def existing() -> Session | None:
+    """The kernel's session, if the extension made one."""
     return _current
 
 

@@ -3,6 +3,7 @@ are applied to the notebook afterwards (at once; or, for a background launch, by
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,8 +37,8 @@ from .plan import Plan, parse_endpoint
 from .results import Received, pack_payload, receive_payload, track_prepare, unpack_results
 
 __all__ = ["CellBody", "FrontDoor", "run_in_kernel", "plan_nodes", "describe", "check_launch", "start",
-           "launch_error", "launch_interrupted", "launch_failure", "stopped_before_start", "launch_plan",
-           "bring_back", "results_interrupted", "run_ranks"]  # fmt: skip
+           "launch_error", "function_source", "launch_interrupted", "launch_failure", "stopped_before_start",
+           "launch_plan", "bring_back", "results_interrupted", "run_ranks"]  # fmt: skip
 
 _MISSING = object()
 
@@ -98,15 +99,24 @@ def run_in_kernel(shell: Any, cell: str, result_name: str) -> None:
 @dataclass(frozen=True)
 class FrontDoor:
     """How a front door names a launch's settings in the sentences it can end with (%%accel_train's by default);
-    `source` is the file of a launched function that is not a notebook cell, which an interrupt names instead."""
+    `source` is the file of a launched function that is not a notebook cell, which an interrupt names instead;
+    `banner`, when given, is printed at the start instead of the plan's launch banner."""
 
     port_option: str = "--port"
     endpoint_option: str = "--rdzv-endpoint"
     nodes: NodeOptions = NodeOptions()
     source: str = ""
+    banner: str = ""
 
 
 CELL = FrontDoor()
+
+
+def function_source(function: Callable[..., Any], filename: str) -> str:
+    """What holds a launched function, as an interrupt names it: the notebook cell that defined it, or its file."""
+    if getattr(function, "__module__", None) == "__main__":
+        return f"{getattr(function, '__name__', 'the function')}'s cell"
+    return os.path.basename(filename) or "the function"
 
 
 def versions_line() -> str:
@@ -175,7 +185,7 @@ def start(spec: Launch, plan: Plan, door: FrontDoor = CELL) -> None:
     """The launch's first steps in every front door: refused in one sentence (TrainError) when it cannot start
     here, else announced by the launch banner. `launch.run(spec)` runs it next."""
     check_launch(spec, plan, door)
-    print(launch_banner(plan))
+    print(door.banner or launch_banner(plan))
 
 
 def launch_failure(outcome: LaunchOutcome, plan: Plan, door: FrontDoor = CELL) -> Exception | KeyboardInterrupt | None:

@@ -145,6 +145,7 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
                 _stop(done, ours, interrupts.again)
             relay.drain()
             outcome.ended = relay.ended
+            outcome.pids = dict(relay.started)
     finally:
         try:
             cleanup_started = time.perf_counter()

@@ -1,15 +1,18 @@
-"""In a rank, the user's own `torch.distributed.init_process_group(...)` adopts the group the launch made, as
-long as its arguments agree with it, instead of failing with "trying to initialize the default process group
-twice"; arguments that disagree end in one sentence naming the launch's values."""
+"""A rank's own `torch.distributed.init_process_group(...)`. Where the launch made the group, the call adopts it
+as long as its arguments agree with it, instead of failing with "trying to initialize the default process group
+twice", and arguments that disagree end in one sentence naming the launch's values. Where the function makes its
+own group (torch's spawn), a MASTER_PORT that another program holds is said in one sentence."""
 
 from __future__ import annotations
 
 import inspect
+import os
+import socket
 import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["adopt_init_process_group"]
+__all__ = ["adopt_init_process_group", "word_taken_port"]
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "xla", "undefined")
 
@@ -67,12 +70,46 @@ def adopt_init_process_group(backend: str, note: Callable[[str], None]) -> None:
                 f"{dist.get_world_size()} ranks) rather than making a second one"
             )
 
-    init_process_group.__wrapped__ = original  # type: ignore[attr-defined]
-    init_process_group.__doc__ = original.__doc__
+    _replace(original, init_process_group)
+
+
+def word_taken_port() -> None:
+    """From now on in this process, an init_process_group whose rendezvous port is taken raises torch's own
+    error in one sentence that says which port and what to do."""
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.init_process_group
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        try:
+            return original(*args, **kwargs)
+        except RuntimeError as err:
+            text = str(err)
+            if "EADDRINUSE" not in text and "address already in use" not in text.lower():
+                raise
+            port = os.environ.get("MASTER_PORT", "?")
+            raise type(err)(
+                f"MASTER_PORT {port} is taken on this machine (by another program, or a process group still up): "
+                f"set os.environ['MASTER_PORT'] to a free port, such as {_free_port()}"
+            ) from None
+
+    _replace(original, init_process_group)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _replace(original: Callable[..., Any], replacement: Callable[..., Any]) -> None:
+    """Bind `replacement` wherever a loaded module binds `original` (torch.distributed, the notebook's names)."""
+    replacement.__wrapped__ = original  # type: ignore[attr-defined]
+    replacement.__doc__ = original.__doc__
     for module in list(sys.modules.values()):
         names = getattr(module, "__dict__", None)
         if not isinstance(names, dict):
             continue
         for name, value in list(names.items()):
             if value is original:
-                names[name] = init_process_group
+                names[name] = replacement

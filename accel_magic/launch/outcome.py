@@ -79,6 +79,7 @@ class LaunchOutcome:
     skipped: tuple[tuple[str, str], ...] = ()
     results_seconds: dict[str, float] = field(default_factory=dict)  # send (rank 0), receive, apply (kernel)
     ended: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (exit code or -signal, when)
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> its process's pid
 
     def __repr__(self) -> str:
         status = "ok" if self.ok else ("interrupted" if self.interrupted else "failed")

@@ -15,7 +15,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from . import shm
-from .adopt import adopt_init_process_group
+from .adopt import adopt_init_process_group, word_taken_port
 from .outcome import FailureKind, RankFailure
 from .processes import REAL_EXIT
 from .relay import Pipes, capture_kernel_messages, frame
@@ -149,6 +149,7 @@ class RankProgram:
         self.pipes, self.workdir, self.port, self.detach = pipes, workdir, port, detach
         self.first_rank, self.cell_filename = spec.first_rank, spec.filename
         self.kernel = os.getpid()
+        self.kernel_env = dict(os.environ)  # before torch's agent adds its own
 
     def __call__(self) -> None:
         rank = int(os.environ.get("RANK", "0"))  # in the whole group: records and messages use it
@@ -161,6 +162,9 @@ class RankProgram:
             signal.signal(signal.SIGINT, interrupt_once)
             self.workdir.write("started", rank, os.getpid())
             self._redirect(local)
+            if not self.ranks.group:  # as torch's spawn starts a process: the kernel's environment
+                os.environ.clear()
+                os.environ.update(self.kernel_env)
             os.environ.update(self.env)
             if rank != self.first_rank + local:
                 world = os.environ.get("WORLD_SIZE", "?")
@@ -220,11 +224,14 @@ class RankProgram:
         import torch.distributed as dist
 
         torch.set_num_threads(self.ranks.threads)
-        if not dist.is_initialized():
-            dist.init_process_group(self.ranks.backend, timeout=timedelta(seconds=self.ranks.timeout))
-        adopt_init_process_group(self.ranks.backend, print)
-        if os.environ.get(shm.ENV) == "shm" and dist.get_world_size() > 1:
-            shm.install(self.workdir.segment, self.ranks.timeout, self.ranks.cpus)
+        if not self.ranks.group:
+            word_taken_port()
+        else:
+            if not dist.is_initialized():
+                dist.init_process_group(self.ranks.backend, timeout=timedelta(seconds=self.ranks.timeout))
+            adopt_init_process_group(self.ranks.backend, print)
+            if os.environ.get(shm.ENV) == "shm" and dist.get_world_size() > 1:
+                shm.install(self.workdir.segment, self.ranks.timeout, self.ranks.cpus)
         self.body.setup(local)
 
     def _run_cell(self, rank: int) -> None:

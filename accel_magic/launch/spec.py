@@ -21,7 +21,8 @@ class Ranks:
     threads, the process group's backend and timeout (seconds a collective waits), and the times every rank is
     started again after one failed. `cpus` is this machine's CPU budget (a waiting rank spins only where the
     ranks' threads leave CPUs free); `versions` gives the line of versions a record of an internal failure
-    carries."""
+    carries. `group=False`: the body makes its own process group (torch's spawn), and each rank sees the
+    kernel's environment with `env`, without what torch's agent sets for the group it would have made."""
 
     num_processes: int
     backend: str = "gloo"
@@ -31,6 +32,7 @@ class Ranks:
     cpus: int = 1
     max_restarts: int = 0
     versions: Callable[[], str] = str
+    group: bool = True
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,9 @@ init_process_group adopts the launch's group."""
 
 from __future__ import annotations
 
+import socket
+import time
+
 SETUP = "%load_ext accel_magic"
 
 # PyTorch's "Getting Started with Distributed Data Parallel", on CPU: the model stays on the CPU (no .to(rank),
@@ -131,3 +134,113 @@ def test_collectives_new_group_and_refusals_of_arguments_that_disagree(kernel_ru
         assert error["ename"] == "LaunchError"
         assert any(sentence.format(rank=r, other=1 - r) in error["evalue"] for r in (0, 1)), error["evalue"]
     assert cells.text(6).strip() == "yes"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_the_ddp_tutorial_as_written_runs_through_mp_spawn_and_torch_is_untouched_elsewhere(kernel_run) -> None:
+    """The tutorial's run_demo, a function of the notebook spawned with torch's default start method (which
+    pickles it by a name its processes do not have); a spawn imported before %load_ext is wrapped too, torch's
+    own functions are in the ranks and the spawned processes, and %unload_ext puts them back."""
+    tutorial = TUTORIAL.replace('"12355"', f'"{free_port()}"')
+    cells = kernel_run(
+        "import torch.multiprocessing as mp\nfrom torch.multiprocessing import spawn as imported_early",
+        SETUP,
+        tutorial,
+        "def run_demo(demo_fn, world_size):\n    mp.spawn(demo_fn, args=(world_size,), nprocs=world_size, join=True)",
+        "run_demo(demo_basic, 2)",
+        "def report(i, tag):\n    print(tag, i, getattr(mp.spawn, '_accel_magic', False))\n"
+        "out = mp.start_processes(report, args=('spawned',), nprocs=2, start_method='fork')\n"
+        "print('returned', out, getattr(imported_early, '_accel_magic', False))",
+        "%%accel_train -n 2 --no-return\nprint('rank', getattr(mp.spawn, '_accel_magic', False))",
+        "%unload_ext accel_magic\nimport torch\n"
+        "print(mp.spawn is torch.multiprocessing.spawn.__wrapped__ if hasattr(mp.spawn, '__wrapped__') else 'own',"
+        " getattr(imported_early, '_accel_magic', False))",
+    )
+    out = cells.text(4)
+    assert "torch.multiprocessing.spawn: 2 processes forked by accel_magic" in out
+    for rank, prefix in ((0, ""), (1, "[rank 1] ")):
+        assert f"{prefix}Running basic DDP example on rank {rank}.\n" in out
+        assert f"{prefix}rank {rank}: same weights on every rank: True\n" in out
+        assert f"{prefix}Finished running basic DDP example on rank {rank}.\n" in out
+    assert NOTE not in out  # the function made its own group
+    assert "spawned 0 False\n" in cells.text(5) and "[rank 1] spawned 1 False\n" in cells.text(5)
+    assert "returned None True\n" in cells.text(5)
+    assert "rank False\n" in cells.text(6) and "[rank 1] rank False\n" in cells.text(6)
+    assert cells.text(7).strip() == "own False"
+
+
+FAILING = """
+import os
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def fail_on_one(i, port):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=i, world_size=2)
+    dist.barrier()
+    if i == 1:
+        raise ValueError("process one gives up")
+    dist.barrier()
+"""
+
+
+def test_a_failure_is_torchs_exception_naming_the_process_and_line_and_bad_calls_are_refused(kernel_run) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        cells = kernel_run(
+            SETUP,
+            FAILING,
+            f"mp.spawn(fail_on_one, args=({free_port()},), nprocs=2)",
+            f"try:\n    mp.spawn(fail_on_one, args=({free_port()},), nprocs=2)\n"
+            "except mp.ProcessRaisedException as err:\n"
+            "    print('caught', err.error_index, err.error_pid > 0, 'process one gives up' in str(err))",
+            f"mp.spawn(fail_on_one, args=({port},), nprocs=2)",
+            "mp.spawn(fail_on_one, args=(0,), nprocs=2, join=False)",
+            "mp.spawn(fail_on_one, args=(0,), nprocs=0)",
+            "print('kernel fine')",
+            allow_errors=True,
+        )
+    finally:
+        taken.close()
+    (error,) = [o for o in cells.outputs(2) if o["output_type"] == "error"]
+    assert error["ename"] == "LaunchError"
+    assert "rank 1 raised ValueError: process one gives up; the other ranks were stopped." in error["evalue"]
+    assert "Cell line 11, in fail_on_one" in "\n".join(error["traceback"])
+    assert "caught 1 True True\n" in cells.text(3)
+    assert f"MASTER_PORT {port} is taken on this machine" in cells.text(4)
+    assert "set os.environ['MASTER_PORT'] to a free port, such as" in cells.text(4)
+    assert "spawn(join=False) is not supported here" in cells.text(5)
+    assert "nprocs must be a whole number of at least 1, not 0." in cells.text(6)
+    assert cells.text(7).strip() == "kernel fine"
+
+
+def test_interrupting_mp_spawn_stops_every_process_in_one_line_and_leaves_nothing(live_kernel) -> None:
+    live_kernel.execute(SETUP)
+    live_kernel.execute("import psutil\nimport torch.multiprocessing as mp")
+    live_kernel.execute(
+        "def forever(i):\n    import time\n    print('ready', i, flush=True)\n    while True:\n        time.sleep(0.1)"
+    )
+    msg_id = live_kernel.kc.execute("mp.spawn(forever, nprocs=2)")
+    while True:  # until process 0 is in its loop
+        msg = live_kernel.kc.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") == msg_id and "ready 0" in msg["content"].get("text", "").split("\n"):
+            break
+    time.sleep(0.5)
+    start = time.monotonic()
+    live_kernel.km.interrupt_kernel()
+    reply, outputs = live_kernel.collect(msg_id, timeout=30)
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
+    assert time.monotonic() - start < 5
+    (error,) = [o for o in outputs if o["output_type"] == "error"]
+    assert error["evalue"] == "the 2 ranks were stopped (rank 0 was at line 5 of forever's cell)"
+    assert len(error["traceback"]) == 1, error["traceback"]
+    assert live_kernel.text("print(psutil.Process().children(recursive=True))").strip() == "[]"
