@@ -105,6 +105,27 @@ def test_04_runs_a_training_function_three_ways() -> None:
     )
 
 
+def test_05_runs_pytorchs_ddp_tutorial_with_mp_spawn_and_as_a_cell_and_shows_the_collectives() -> None:
+    texts, _ = execute("05_pytorch_ddp.ipynb")
+    spawned, cell, lesson = (t for t in texts if "rank 0" in t)
+    assert "torch.multiprocessing.spawn: 2 processes forked by accel_magic" in spawned
+    assert "accel_magic: init_process_group joined the launch's process group" in cell
+    for text in (spawned, cell):
+        for rank, prefix in ((0, ""), (1, "[rank 1] ")):
+            assert f"{prefix}rank {rank}: the same weights as every other rank: True" in text
+            assert f"{prefix}Finished running basic DDP example on rank {rank}." in text
+    for line in (
+        "all_reduce: rank 0 held 1.0, now holds 3.0",
+        "[rank 1] all_reduce: rank 1 held 2.0, now holds 3.0",
+        "broadcast from rank 1: rank 0 held 0.0, now holds 10.0",
+        "[rank 1] all_gather: rank 1 held 2.0, now holds [1.0, 2.0]",
+        "reduce to rank 0: rank 0 held 1.0, now holds 3.0",
+        "scatter from rank 0: rank 0 received 100.0",
+        "[rank 1] scatter from rank 0: rank 1 received 200.0",
+    ):
+        assert line in lesson.split("\n"), line
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))
 def test_notebook_is_saved_without_outputs(name: str) -> None:
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
