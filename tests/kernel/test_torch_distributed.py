@@ -206,7 +206,10 @@ def test_a_failure_is_torchs_exception_naming_the_process_and_line_and_bad_calls
             f"mp.spawn(fail_on_one, args=({port},), nprocs=2)",
             "mp.spawn(fail_on_one, args=(0,), nprocs=2, join=False)",
             "mp.spawn(fail_on_one, args=(0,), nprocs=0)",
-            "print('kernel fine')",
+            "def die(i):\n    if i == 1:\n        os._exit(3)\n    import time\n    time.sleep(60)\n"
+            "try:\n    mp.start_processes(die, nprocs=2, start_method='forkserver')\n"
+            "except mp.ProcessExitedException as err:\n    print('exited', err.error_index, err.exit_code)",
+            "import psutil\nprint('kernel fine', psutil.Process().children(recursive=True))",
             allow_errors=True,
         )
     finally:
@@ -220,7 +223,10 @@ def test_a_failure_is_torchs_exception_naming_the_process_and_line_and_bad_calls
     assert "set os.environ['MASTER_PORT'] to a free port, such as" in cells.text(4)
     assert "spawn(join=False) is not supported here" in cells.text(5)
     assert "nprocs must be a whole number of at least 1, not 0." in cells.text(6)
-    assert cells.text(7).strip() == "kernel fine"
+    assert cells.text(7).endswith(
+        "forked by accel_magic, 1 thread each; the function makes its own process group\nexited 1 3\n"
+    )
+    assert cells.text(8).strip() == "kernel fine []"
 
 
 def test_interrupting_mp_spawn_stops_every_process_in_one_line_and_leaves_nothing(live_kernel) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 from IPython import get_ipython
+from IPython.testing.globalipapp import start_ipython
+
+start_ipython()  # the test shell: a TerminalInteractiveShell that IPython's own tests use
 
 
 @pytest.fixture

@@ -11,9 +11,6 @@ from pathlib import Path
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import start_ipython
-
-start_ipython()
 
 SETUP = "import torch"
 MODEL = (

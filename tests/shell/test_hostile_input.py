@@ -9,9 +9,6 @@ import pathlib
 import pytest
 from IPython import get_ipython
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import start_ipython
-
-start_ipython()
 
 SETUP_LINES = [
     ("-n", ["", "0", "-1", "abc", "1.5", "99999999999999999999x"]),

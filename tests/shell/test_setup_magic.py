@@ -9,11 +9,8 @@ import sys
 import pytest
 from IPython import get_ipython
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import start_ipython
 
 import accel_magic
-
-start_ipython()  # the test shell: a TerminalInteractiveShell that IPython's own tests use
 
 
 def test_load_ext_imports_nothing_heavy_and_sets_nvml_check() -> None:
