@@ -205,13 +205,17 @@ class LiveKernel:
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
 
+    def send(self, code: str) -> str:
+        """Send a cell; its id. A cell that fails leaves the next one alone: after a cell sent with stop_on_error
+        fails, ipykernel aborts the requests that come within a moment of its reply."""
+        return self.kc.execute(code, stop_on_error=False)
+
     def execute(self, code: str, timeout: float = 120) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        msg_id = self.kc.execute(code, stop_on_error=False)  # ipykernel would refuse a cell sent just after an error
-        return self.collect(msg_id, timeout)
+        return self.collect(self.send(code), timeout)
 
     def start(self, code: str, timeout: float = 60) -> str:
         """Send a cell and return once the kernel runs it (an idle kernel ignores an interrupt); its id."""
-        msg_id = self.kc.execute(code, stop_on_error=False)
+        msg_id = self.send(code)
         while True:
             msg = self.kc.get_iopub_msg(timeout=timeout)
             if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input":

@@ -85,7 +85,7 @@ def test_a_rank_killed_while_the_other_waits_ends_the_launch_naming_it_and_leave
 def test_an_interrupt_while_ranks_average_leaves_no_segment(live_kernel) -> None:
     live_kernel.execute(SETUP)
     before = set(glob.glob("/dev/shm/accel_magic-*.grads"))  # other programs'
-    msg_id = live_kernel.kc.execute(
+    msg_id = live_kernel.send(
         "%%accel_train -n 2\nimport torch\nnet = torch.nn.Linear(256, 256)\nnet = accelerator.prepare(net)\n"
         "print('TRAINING', flush=True)\nwhile True:\n    net(torch.randn(8, 256)).sum().backward()"
     )

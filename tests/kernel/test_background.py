@@ -197,7 +197,7 @@ def test_an_interrupt_stops_the_foreground_cell_only(live_kernel) -> None:
     k.execute(SETUP)
     k.execute(LONG)
     wait_for(k, "accel_result.status == 'running'")
-    msg_id = k.kc.execute("time.sleep(30)")
+    msg_id = k.send("time.sleep(30)")
     time.sleep(1.0)
     k.km.interrupt_kernel()
     reply, _ = k.collect(msg_id)

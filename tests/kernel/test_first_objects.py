@@ -107,7 +107,7 @@ def test_the_drop_in_across_two_kernels(live_kernels, tmp_path) -> None:
             port = s.getsockname()[1]
         log = tmp_path / f"{first}.order"
         ids = [
-            k.kc.execute(
+            k.send(
                 f"notebook_launcher(report, ({first!r}, {str(log)!r}), num_processes=2, num_nodes=2, node_rank={r}, "
                 f"master_addr='127.0.0.1', use_port='{port}', rdzv_conf={{'timeout': 60}})"
             )

@@ -289,7 +289,7 @@ def test_interrupting_the_drop_in_stops_every_rank_within_seconds(live_kernel) -
         "def forever():\n    import time\n    from accelerate import Accelerator\n    Accelerator()\n"
         "    print('ready', flush=True)\n    while True: time.sleep(0.1)"
     )
-    msg_id = live_kernel.kc.execute("notebook_launcher(forever, num_processes=2)")
+    msg_id = live_kernel.send("notebook_launcher(forever, num_processes=2)")
     while True:  # until rank 0 is in its loop
         msg = live_kernel.kc.get_iopub_msg(timeout=60)
         if msg["parent_header"].get("msg_id") == msg_id and "ready" in msg["content"].get("text", "").split("\n"):

@@ -53,9 +53,9 @@ def train_on(kernels: list[Any], options: str, body: str, timeout: float = 120,
     read in a thread of its own, so one cell's end is not seen late while another is still running)."""
     cell = "%%accel_train " + options + "\n" + body
     started = time.monotonic()
-    ids = {r: k.kc.execute(cell.replace("{R}", str(r))) for r, k in reversed(list(enumerate(kernels))) if r}
+    ids = {r: k.send(cell.replace("{R}", str(r))) for r, k in reversed(list(enumerate(kernels))) if r}
     time.sleep(node0_after)
-    ids[0] = kernels[0].kc.execute(cell.replace("{R}", "0"))
+    ids[0] = kernels[0].send(cell.replace("{R}", "0"))
 
     def ended(r: int) -> tuple[dict, str, float]:
         reply, outputs = kernels[r].collect(ids[r], timeout)
@@ -197,7 +197,7 @@ def test_a_drop_in_call_whose_node_0_never_answers_names_the_drop_ins_arguments(
 def test_the_rendezvous_listens_on_the_endpoints_address_only(live_kernel) -> None:
     live_kernel.text(SETUP)
     port = free_port()
-    msg_id = live_kernel.kc.execute(
+    msg_id = live_kernel.send(
         f"%%accel_train -n 1 --nodes 2 --node-rank 0 --rdzv-endpoint 127.0.0.1:{port} --timeout 8\nprint('never')"
     )
     time.sleep(3)  # node 0 now waits for node 1
@@ -215,7 +215,7 @@ def test_the_drop_in_launcher_across_two_kernels_gives_each_its_first_ranks_valu
     for kernel in two_kernels:
         kernel.text(WHERE)
     ids = [
-        k.kc.execute(
+        k.send(
             f"print(notebook_launcher(where, num_processes=2, num_nodes=2, node_rank={r}, "
             f"master_addr='127.0.0.1', use_port='{port}', rdzv_backend='c10d', rdzv_conf={{'timeout': 60}}))"
         )
@@ -231,7 +231,7 @@ def test_the_drop_in_launcher_meets_at_the_rdzv_endpoint_under_the_rdzv_id_given
     for kernel in two_kernels:
         kernel.text(WHERE)
     ids = [  # master_addr and use_port left as accelerate's defaults: the endpoint alone says where to meet
-        k.kc.execute(
+        k.send(
             f"print(notebook_launcher(where, num_processes=2, num_nodes=2, node_rank={r}, "
             f"rdzv_endpoint='127.0.0.1:{port}', rdzv_id='digits-run', rdzv_conf={{'timeout': 60, 'rank': {r}}}))"
         )

@@ -109,7 +109,7 @@ def test_fault_leaves_the_kernel_clean_and_unchanged_and_the_next_launch_works(
 def test_interrupt_mid_training_leaves_the_kernel_clean(live_kernel) -> None:
     live_kernel.execute(SETUP)
     live_kernel.execute(PROBE + "before = leftovers()")
-    msg_id = live_kernel.kc.execute(
+    msg_id = live_kernel.send(
         "%%accel_train -n 2\n"
         + TRAINING
         + "keep = 'replaced'\nwhile True:\n    accelerator.backward(net(torch.randn(8, 4)).sum())"

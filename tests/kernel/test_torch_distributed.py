@@ -235,7 +235,7 @@ def test_interrupting_mp_spawn_stops_every_process_in_one_line_and_leaves_nothin
     live_kernel.execute(
         "def forever(i):\n    import time\n    print('ready', i, flush=True)\n    while True:\n        time.sleep(0.1)"
     )
-    msg_id = live_kernel.kc.execute("mp.spawn(forever, nprocs=2)")
+    msg_id = live_kernel.send("mp.spawn(forever, nprocs=2)")
     while True:  # until process 0 is in its loop
         msg = live_kernel.kc.get_iopub_msg(timeout=60)
         if msg["parent_header"].get("msg_id") == msg_id and "ready 0" in msg["content"].get("text", "").split("\n"):

@@ -349,7 +349,7 @@ def test_skipped_collective_ends_after_the_timeout(kernel_run) -> None:
 def test_interrupt_stops_every_rank_within_seconds(live_kernel) -> None:
     live_kernel.execute(SETUP)
     live_kernel.execute("import psutil, os")
-    msg_id = live_kernel.kc.execute(
+    msg_id = live_kernel.send(
         "%%accel_train -n 2\nimport time\nwhile True:\n    try:\n        time.sleep(0.1)\n"
         "    except Exception:\n        pass  # a loop that swallows exceptions"
     )
@@ -373,7 +373,7 @@ LOOP_ON_RANK_0 = "%%accel_train -n 2\nimport time\nprint('ready', flush=True)\nw
 def interrupt_when_ready(kernel, code: str) -> tuple[dict, list[dict], float]:
     """Run a cell, interrupt it once rank 0 printed 'ready' (as the stop button does), and return the reply, the
     outputs and how long the cell took to end after the interrupt."""
-    msg_id = kernel.kc.execute(code, stop_on_error=False)
+    msg_id = kernel.send(code)
     outputs = []
     while "ready" not in "".join(o.get("text", "") for o in outputs).splitlines():  # rank 1's reads [rank 1] ready
         msg = kernel.kc.get_iopub_msg(timeout=60)
@@ -449,7 +449,7 @@ def test_a_second_interrupt_while_the_ranks_are_stopped_still_ends_in_one_line(l
         "print('ready', flush=True)\nwhile True:\n    try:\n        time.sleep(0.05)\n"
         "    except KeyboardInterrupt:\n        pass\n"
     )
-    msg_id = live_kernel.kc.execute(stubborn, stop_on_error=False)
+    msg_id = live_kernel.send(stubborn)
     while True:  # until rank 0 is in its loop
         msg = live_kernel.kc.get_iopub_msg(timeout=60)
         if msg["parent_header"].get("msg_id") == msg_id and "ready" in msg["content"].get("text", "").split("\n"):
@@ -517,7 +517,7 @@ def test_an_interrupt_while_results_are_applied_leaves_each_name_applied_in_full
         "        self.v = state['v']\nslow = Slow()\nafter = 'old'"
     )
     cell = "%%accel_train -n 2\naccelerator.register_for_checkpointing(slow)\nslow.v = 5\nfirst = slow\nafter = 'new'"
-    msg_id = live_kernel.kc.execute(cell, stop_on_error=False)
+    msg_id = live_kernel.send(cell)
     while True:  # until the kernel loads the first name's state
         msg = live_kernel.kc.get_iopub_msg(timeout=60)
         if msg["parent_header"].get("msg_id") == msg_id and "loading" in msg["content"].get("text", "").split("\n"):
@@ -652,7 +652,7 @@ def test_defaults_come_from_config_then_setup_and_own_accelerator_works(kernel_r
 
 def test_output_arrives_while_the_ranks_run(live_kernel) -> None:
     live_kernel.execute(SETUP)
-    msg_id = live_kernel.kc.execute(
+    msg_id = live_kernel.send(
         "%%accel_train -n 2 --no-return\nimport time\nprint('start', accelerator.process_index)\ntime.sleep(3)\nprint('end')"
     )
     arrivals = {}
