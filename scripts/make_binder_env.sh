@@ -21,7 +21,7 @@ export PIP_NO_CACHE_DIR=1
 grep -vxF -- "$not_honoured" binder/requirements.txt > "$dir/requirements.txt"
 "$dir/bin/python" -m pip install -q -r "$dir/requirements.txt" ipykernel==7.4.0 nbclient==0.11.0 nbformat==5.11.1
 mkdir "$dir/repository"
-tar --exclude='./.venv*' --exclude=./.git --exclude=./build --exclude='./*.egg-info' -cf - . | tar -xf - -C "$dir/repository"
+tar --exclude='./.venv*' --exclude=./.uv-cache --exclude=./.git --exclude=./build --exclude='./*.egg-info' -cf - . | tar -xf - -C "$dir/repository"
 (cd "$dir/repository"; unset PYTHONPATH; PATH="$dir/bin:$PATH" VIRTUAL_ENV="$dir" binder/postBuild)
 rm -rf "$dir/repository"
 touch "$dir/.installed"

@@ -17,7 +17,10 @@ else
 fi
 rm -rf "$dir"
 "$python" -m venv "$dir"
-# No download cache (pip's, uv's): three CUDA builds of torch would leave about 9 GB of wheels behind the environments.
+# No pip cache. uv unpacks into one cache in the checkout (.uv-cache, on the environments' own file system, never
+# /tmp, which may be small or elsewhere) and hard-links every file from there: the stacks' identical CUDA libraries
+# (about 4 GB each) are fetched once and stored once, the cache costs no space beside the environments, and
+# building an environment again downloads nothing it had.
 export PIP_NO_CACHE_DIR=1
 "$dir/bin/pip" install -q --upgrade pip
 if [ -n "$uv" ]; then
@@ -25,7 +28,7 @@ if [ -n "$uv" ]; then
     [ -z "$links" ] || export UV_FIND_LINKS=${links// /,}
     # compiled to bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set, nothing else ever compiles it, and
     # every kernel and process would compile torch anew (about 1.5 s more for each import of torch)
-    UV_NO_CACHE=1 UV_COMPILE_BYTECODE=1 "$uv" pip install -q --python "$dir/bin/python" -r "$requirements"
+    UV_CACHE_DIR=$(cd "$(dirname "$0")/.." && pwd)/.uv-cache UV_LINK_MODE=hardlink UV_COMPILE_BYTECODE=1 "$uv" pip install -q --python "$dir/bin/python" -r "$requirements"
 else
     "$dir/bin/pip" install -q -r "$requirements"
 fi
