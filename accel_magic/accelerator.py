@@ -5,8 +5,14 @@ Private APIs of accelerate, used here only:
   `_shared_state` dicts of `PartialState` and `AcceleratorState` (accelerate 0.17 and later; accelerate's own
   tests use them): an Accelerator built in an earlier cell, or copied into a rank through fork, would otherwise
   fix the settings of every later one. Fallback: none; a test fails on every stack when they move.
+- `Accelerator._dataloaders` (accelerate 0.1x and later): the loaders whose `even_batches`
+  `join_uneven_inputs(even_batches=...)` overrides on CPU ranks, as accelerate does on GPUs. Fallback: none; the
+  kernel test that runs accelerate's `test_distributed_data_loop` fails when it moves.
 - `accelerate.utils.imports._torch_xla_available` (accelerate 0.2x and later): whether an already imported
   accelerate has chosen XLA. Fallback: read with getattr, so a missing name means "not chosen".
+
+Patched, not private: `Accelerator.join_uneven_inputs` (accelerate 0.1x and later), in a rank only, so that it
+does on CPU ranks what it does on GPUs.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import ipaddress
 import os
 import sys
 import types
+import warnings
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
@@ -32,6 +39,7 @@ __all__ = [
     "reset_state",
     "state_set_aside",
     "rank_state",
+    "join_uneven_inputs_on_cpu",
 ]
 
 STALE_FLAGS = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")
@@ -93,6 +101,50 @@ def state_set_aside() -> Iterator[None]:
         reset_state()
         for cls, state in kept:
             cls._shared_state.update(state)
+
+
+def join_uneven_inputs_on_cpu() -> None:
+    """accelerate's `join_uneven_inputs` does nothing unless the ranks are GPUs (its `multi_device`), although
+    torch's `Join` works on gloo: on MULTI_CPU ranks it does here what it does on GPUs (the same steps)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    original = Accelerator.join_uneven_inputs
+    if getattr(original, "on_cpu", False):
+        return
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self: Any, joinables: Any, even_batches: bool | None = None) -> Iterator[None]:
+        if self.multi_device or not self.use_distributed or self.distributed_type != DistributedType.MULTI_CPU:
+            with original(self, joinables, even_batches=even_batches):
+                yield
+            return
+        from accelerate.data_loader import DataLoaderDispatcher
+        from torch.distributed.algorithms import Join
+
+        kept = []
+        if even_batches is None:
+            even_batches = self.even_batches
+        else:
+            for loader in self._dataloaders:
+                if isinstance(loader, DataLoaderDispatcher):
+                    warnings.warn(
+                        "Overriding even_batches is only supported for map-style datasets, yet some dataloaders "
+                        "given were iterable",
+                        stacklevel=3,
+                    )
+                    continue
+                kept.append((loader, loader.batch_sampler.even_batches))
+                loader.batch_sampler.even_batches = even_batches
+        try:
+            with Join(joinables, enable=not even_batches, throw_on_early_termination=False):
+                yield
+        finally:
+            for loader, value in kept:
+                loader.batch_sampler.even_batches = value
+
+    join_uneven_inputs.on_cpu = True  # type: ignore[attr-defined]
+    Accelerator.join_uneven_inputs = join_uneven_inputs  # type: ignore[method-assign]
 
 
 def rank_state(plan: Plan) -> Any:

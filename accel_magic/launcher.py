@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .accelerator import rank_state, reset_state, state_set_aside
+from .accelerator import join_uneven_inputs_on_cpu, rank_state, reset_state, state_set_aside
 from .display import write_rank_text
 from .errors import LauncherError, PlanError
 from .jobs import refuse_while_running
@@ -62,6 +62,7 @@ class FunctionBody:
     def setup(self, rank: int) -> None:
         reset_state()  # state copied from the notebook would make the rank believe it trains alone
         rank_state(self.plan)  # the function builds its own Accelerator, which joins the launch's group
+        join_uneven_inputs_on_cpu()
 
     def run(self) -> None:
         self.value = self.function(*self.args)

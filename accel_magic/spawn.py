@@ -21,7 +21,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-from .accelerator import reset_state
+from .accelerator import join_uneven_inputs_on_cpu, reset_state
 from .display import write_rank_text
 from .errors import LauncherError, LaunchError, TrainError, processes_failed
 from .jobs import refuse_while_running
@@ -47,6 +47,8 @@ class SpawnBody:
 
     def setup(self, rank: int) -> None:
         reset_state()  # an Accelerator the function builds starts from nothing, as in a spawned process
+        if "accelerate" in sys.modules:
+            join_uneven_inputs_on_cpu()
         self.index = rank
 
     def run(self) -> None:

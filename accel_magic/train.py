@@ -11,7 +11,7 @@ from functools import partial
 from types import MappingProxyType
 from typing import Any
 
-from .accelerator import rank_accelerator, rank_environment, reset_state
+from .accelerator import join_uneven_inputs_on_cpu, rank_accelerator, rank_environment, reset_state
 from .cell import CellCode
 from .display import launch_banner, write_rank_text
 from .errors import LaunchError, LaunchInterrupted, TrainError, ranks_failed
@@ -66,6 +66,7 @@ class CellBody:
     def setup(self, rank: int) -> None:
         reset_state()  # state copied from the notebook would make the rank believe it trains alone
         track_prepare(self.prepared, self.registered)
+        join_uneven_inputs_on_cpu()
         self.ns[self.name] = self.make_accelerator()
 
     def run(self) -> None:
