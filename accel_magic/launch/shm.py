@@ -10,8 +10,10 @@ bucket it waits for the others' flags and sums the copies in rank order, so ever
 two ranks, the bits gloo gives): a bucket of a MiB or more in parts, each rank its own part of the average, which
 every rank then reads once the others raised their flags again; a smaller one whole, by each rank, one wait fewer.
 A waiting rank spins, a millisecond when every rank has CPUs of its own and briefly when ranks outnumber them,
-then sleeps with backoff, watches its peers' processes, and gives up after the collective timeout with an error
-the rank's classifier files as collateral or as a timeout. The kernel removes the segment with the launch's
+then sleeps in the kernel on the flag it waits for (a futex, which the rank that raises a flag wakes; with no
+futex, short sleeps with backoff), so a waiting rank takes no CPU from a busy machine; it watches its peers'
+processes, and gives up after the collective timeout with an error the rank's classifier files as collateral or
+as a timeout. The kernel removes the segment with the launch's
 folder (Workdir.remove), whatever happened to the ranks.
 
 Private API of torch, used here only:
@@ -35,6 +37,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import platform
 import sys
 import time
 from collections.abc import Callable
@@ -54,6 +57,33 @@ LONGEST_SLEEP = 0.0002  # seconds: the backoff's cap, the most a rank can oversl
 TIMER_SLACK_NS = 1000  # a rank's sleeps end within a microsecond of their time, not Linux's default 50
 PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
 WATCH_EVERY = 0.005  # seconds between two looks at the peers' processes while waiting (a /proc read each)
+SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())  # Linux's syscall number (asm/unistd.h)
+FUTEX_WAIT, FUTEX_WAKE = 0, 1  # shared between processes: not the _PRIVATE variants
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class Futex:
+    """Linux's futex on an int32 of a shared map: sleep while it holds a value, and wake its sleepers."""
+
+    def __init__(self) -> None:
+        self.syscall = ctypes.CDLL(None, use_errno=True).syscall
+        self.syscall.restype = ctypes.c_long
+        self.timeout = _Timespec(0, int(WATCH_EVERY * 1e9))
+
+    @staticmethod
+    def available() -> bool:
+        return sys.platform == "linux" and SYS_FUTEX is not None
+
+    def wait(self, address: int, value: int) -> None:
+        """Until the int32 at `address` is woken, no longer holds `value`, or WATCH_EVERY seconds passed."""
+        self.syscall(SYS_FUTEX, ctypes.c_void_p(address), FUTEX_WAIT, ctypes.c_int(value), ctypes.byref(self.timeout),
+                     None, 0)  # fmt: skip
+
+    def wake(self, address: int) -> None:
+        self.syscall(SYS_FUTEX, ctypes.c_void_p(address), FUTEX_WAKE, ctypes.c_int(2**31 - 1), None, None, 0)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -79,6 +109,7 @@ class Region:
         head, stride = _round_up(world * LINE * 4, PAGE), _round_up(nbytes, PAGE)
         self.map = mmap.mmap(fd, head + (world + 1) * stride, offset=offset)
         self.flags = memoryview(self.map)[:head].cast("i")
+        self.address = ctypes.addressof(ctypes.c_int.from_buffer(self.map))  # of the flags: a futex each
         # The average is a tensor of its own, at the start of its own map: DDP takes views of a hook's result at
         # offsets counted from the start of the result's storage.
         self.average_map = mmap.mmap(fd, stride, offset=offset + head)
@@ -111,6 +142,7 @@ class Segment:
         self.end = header  # where the next region goes: the same in every rank
         self.others = [r for r in range(world) if r != rank]
         self.told = False  # whether rank 0 said that a bucket goes through gloo
+        self.futex = Futex() if Futex.available() else None
 
     def region(self, nbytes: int, dtype: Any) -> Region | None:
         """A new region at the end of the segment, or None when one of the ranks could not make room for it (a
@@ -150,11 +182,11 @@ class Segment:
         for `reduce` and `collect`."""
         import torch
 
-        step, flags = region.step, region.flags
+        step = region.step
         region.step += 1
-        self.wait(flags, 2 * step)  # every rank has summed the last step's copies: this rank's may be overwritten
+        self.wait(region, 2 * step)  # every rank has summed the last step's copies: this rank's may be overwritten
         torch.div(buffer, self.world, out=region.copies[self.rank])
-        flags[self.rank * LINE] = 2 * step + 1
+        self.raise_flag(region, 2 * step + 1)
         return step
 
     def reduce(self, region: Region, buffer: Any, step: int) -> None:
@@ -162,14 +194,14 @@ class Segment:
         region's average (a bucket in parts), or the whole into `buffer`."""
         import torch
 
-        self.wait(region.flags, 2 * step + 1)
+        self.wait(region, 2 * step + 1)
         part = region.parts[self.rank] if region.split else slice(None)
         out = region.average[part] if region.split else buffer
         copies = [copy[part] for copy in region.copies]
         torch.add(copies[0], copies[1], out=out)
         for copy in copies[2:]:
             out.add_(copy)
-        region.flags[self.rank * LINE] = 2 * step + 2
+        self.raise_flag(region, 2 * step + 2)
 
     def collect(self, region: Region, buffer: Any, step: int) -> Any:
         """The average of `step`: `buffer`, or for a bucket in parts, once every rank has made its part, the
@@ -177,12 +209,19 @@ class Segment:
         only after every rank posted it)."""
         if not region.split:
             return buffer
-        self.wait(region.flags, 2 * step + 2)
+        self.wait(region, 2 * step + 2)
         return region.average
 
-    def wait(self, flags: memoryview, target: int) -> None:
+    def raise_flag(self, region: Region, value: int) -> None:
+        """This rank's flag of `region` to `value`, and the ranks asleep on it woken."""
+        region.flags[self.rank * LINE] = value
+        if self.futex is not None:
+            self.futex.wake(region.address + self.rank * LINE * 4)
+
+    def wait(self, region: Region, target: int) -> None:
         """Until every other rank's flag reaches `target`; a peer that ended, a kernel that went away, or the
         collective timeout raise a RuntimeError instead."""
+        flags = region.flags
         lines = [r * LINE for r in self.others]
         until = time.perf_counter() + self.spin
         while not all(flags[i] >= target for i in lines):
@@ -193,8 +232,12 @@ class Segment:
         now = time.monotonic()
         deadline, watch, delay = now + self.timeout, now + WATCH_EVERY, 1e-5
         while not all(flags[i] >= target for i in lines):
-            time.sleep(delay)
-            delay = min(delay * 2, LONGEST_SLEEP)
+            late = next(i for i in lines if flags[i] < target)
+            if self.futex is not None:
+                self.futex.wait(region.address + late * 4, flags[late])  # at once if it moved meanwhile
+            else:
+                time.sleep(delay)
+                delay = min(delay * 2, LONGEST_SLEEP)
             now = time.monotonic()
             if now >= watch:
                 watch = now + WATCH_EVERY
