@@ -19,6 +19,7 @@ import memory
 import results_back
 import startup
 import throughput
+import waiting
 from common import machine
 
 CASES = {
@@ -28,6 +29,7 @@ CASES = {
     "results": (results_back.measure, {"repeats": 3}, {"repeats": 1}),
     "memory": (memory.measure, {"launches": 20}, {"launches": 5}),
     "allreduce": (allreduce.measure, {"repeats": 3}, {"repeats": 1}),
+    "waiting": (waiting.measure, {"repeats": 3}, {"repeats": 1}),
 }
 
 
