@@ -149,18 +149,18 @@ def test_a_node_that_never_arrives_ends_the_cell_after_the_rendezvous_timeout_in
     port = free_port()
     started = time.monotonic()
     reply, text, _ = train_on(
-        [live_kernel], f"-n 1 --nodes 2 --node-rank 0 --rdzv-endpoint 127.0.0.1:{port} --timeout 5", "print('never')"
+        [live_kernel], f"-n 1 --nodes 2 --node-rank 0 --rdzv-endpoint 127.0.0.1:{port} --timeout 3", "print('never')"
     )[0]
     took = time.monotonic() - started
     assert reply["status"] == "error" and reply["ename"] == "LaunchError"
     error = text.split("LaunchError: ", 1)[1].strip()
     assert error == (
         f"this node could not form one group with the other 1 node at 127.0.0.1:{port} (1 of the 2 nodes joined "
-        "within 5 s): start the cell on every node within 5 s (--timeout), each with its own --node-rank and the "
+        "within 3 s): start the cell on every node within 3 s (--timeout), each with its own --node-rank and the "
         "same --nodes and --rdzv-endpoint; nothing was trained."
     )
     assert "never" not in text and "c10d" not in text and "Timed out" not in text and "clients" not in text
-    assert 5 <= took < 5 + 20, took  # the rendezvous timeout, and a loaded 2-core machine's slack
+    assert 3 <= took < 3 + 20, took  # the rendezvous timeout, and a loaded 2-core machine's slack
     assert no_children(live_kernel) == "[]"
     with socket.socket() as s:  # the rendezvous port is free again
         s.bind(("127.0.0.1", port))
@@ -198,9 +198,9 @@ def test_the_rendezvous_listens_on_the_endpoints_address_only(live_kernel) -> No
     live_kernel.text(SETUP)
     port = free_port()
     msg_id = live_kernel.send(
-        f"%%accel_train -n 1 --nodes 2 --node-rank 0 --rdzv-endpoint 127.0.0.1:{port} --timeout 8\nprint('never')"
+        f"%%accel_train -n 1 --nodes 2 --node-rank 0 --rdzv-endpoint 127.0.0.1:{port} --timeout 4\nprint('never')"
     )
-    time.sleep(3)  # node 0 now waits for node 1
+    time.sleep(2)  # node 0 now waits for node 1
     kernel = psutil.Process(live_kernel.km.provisioner.process.pid)
     # psutil before 6.0 (Colab's 5.9.5) calls it connections()
     connections = getattr(kernel, "net_connections", None) or kernel.connections
