@@ -15,6 +15,7 @@ from .cell import CellCode
 from .display import GLOO_CHATTER
 from .errors import TrainError
 from .launch import Hooks, Launch, LaunchOutcome, Results, run
+from .launch.places import Place
 from .launch.relay import Relay
 from .plan import Plan
 from .results import receive_payload
@@ -37,8 +38,8 @@ class Job:
     `wait(timeout)` waits for the end and returns the outcome (as a foreground launch leaves in accel_result),
     `stop()` ends every rank. Once it ended: `outcome`, `error` (a failure's message, with `details`, the root
     cause's traceback), and `results`, rank 0's values that were not applied because the notebook had rebound
-    their names. Every rank's output: `output`, and `last_line[rank]`; `rank_states[rank]` and `rank_times[rank]`
-    (seconds it ran)."""
+    their names. Every rank's output: `output`, and `last_line[rank]`; `rank_states[rank]`, `rank_time(rank)`
+    (seconds it ran) and, while it runs, `places[rank]` ("at cell line 4", "in barrier at cell line 7")."""
 
     def __init__(
         self,
@@ -65,6 +66,7 @@ class Job:
         self.rank_states = dict.fromkeys(self.ranks, "starting")
         self.pids: dict[int, int] = {}  # rank -> its process, once it runs
         self.last_line = dict.fromkeys(self.ranks, "")
+        self.places: dict[int, str] = {}  # rank -> where it is while it runs: its cell line, the collective it waits in
         self._rank_started: dict[int, float] = {}
         self._rank_ended: dict[int, float] = {}
         self._text: list[str] = []
@@ -190,7 +192,8 @@ class Job:
         if self.view is not None:
             self.view.rank_message(message)
 
-    def _watch(self, relay: Relay) -> None:
+    def _watch(self, relay: Relay, places: dict[int, Place]) -> None:
+        self.places = {rank: place.words() for rank, place in places.items() if rank not in self._rank_ended}
         changed = False
         for rank in relay.started:
             if self.rank_states.get(rank) == "starting":

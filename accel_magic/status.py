@@ -51,7 +51,7 @@ def rank_rows(job: Job) -> str:
     cell = "padding:1px 10px 1px 0;text-align:left;white-space:nowrap"
     rows = [
         f'<tr style="color:#777"><th style="{cell}">rank</th><th style="{cell}">state</th>'
-        f'<th style="{cell}">time</th><th style="{cell}">last line</th></tr>'
+        f'<th style="{cell}">time</th><th style="{cell}">where</th><th style="{cell}">last line</th></tr>'
     ]
     for rank in job.ranks:
         state = job.rank_states[rank]
@@ -60,6 +60,7 @@ def rank_rows(job: Job) -> str:
         rows.append(
             f'<tr><td style="{cell}">{rank}</td><td style="{cell};color:{COLOURS.get(state, "#777")}">{state}</td>'
             f'<td style="{cell}">{duration(job.rank_time(rank))}</td>'
+            f'<td style="{cell}">{html.escape(job.places.get(rank, ""))}</td>'
             f'<td style="{cell};font-family:monospace;overflow:hidden;max-width:60em">{html.escape(last)}</td></tr>'
         )
     return f'<table style="border-collapse:collapse;font-size:12px;margin:2px 0">{"".join(rows)}</table>'

@@ -40,3 +40,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for layer in LAYERS:
             if f"/tests/{layer}/" in str(item.path):
                 item.add_marker(getattr(pytest.mark, layer))
+
+
+def two_ranks_stopped(line: str, at: str = "cell line {}") -> str:
+    """A regular expression of the line an interrupt of 2 ranks ends with, rank 0 at `line` (a pattern): each
+    rank's place, rank 1's wherever it was (or nowhere yet), and both together when they were at the same place."""
+    rank_0, rank_1 = at.format(line), at.format(r"\d+")
+    return (
+        rf"the 2 ranks were stopped \((ranks 0 and 1 were at {rank_0}|rank 0 was at {rank_0}(, rank 1 at {rank_1})?)\)"
+    )
+
+
+@pytest.fixture(name="two_ranks_stopped")
+def two_ranks_stopped_fixture():
+    """`two_ranks_stopped` for the kernel and browser layers' interrupt tests."""
+    return two_ranks_stopped

@@ -25,11 +25,14 @@ from .outcome import (
     interrupted_words,
 )
 from .peers import Peers, reach_node0
+from .places import Place, Places, stuck
 from .ports import listener
 from .rank import RankBody, RankProgram
 from .relay import Pipes, Relay
 from .spec import Hooks, Launch, Ranks, Results
 from .workdir import Workdir
+
+JUDGE_EVERY = 0.25  # seconds between two looks at the ranks' places (whether they can still meet)
 
 __all__ = [
     "run",
@@ -57,7 +60,7 @@ def run(spec: Launch) -> LaunchOutcome:
     while True:
         outcome = _start(spec, {**ranks.env, "TORCHELASTIC_RESTART_COUNT": str(restarts)})
         outcome.restarts = restarts
-        if restarts >= ranks.max_restarts or outcome.ok or outcome.interrupted or not outcome.failures:
+        if restarts >= ranks.max_restarts or outcome.ok or outcome.interrupted or outcome.stuck or not outcome.failures:
             return outcome
         restarts += 1
         which = f"the {ranks.num_processes} ranks" if ranks.num_processes > 1 else "the rank"
@@ -94,6 +97,7 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
     relay: Relay | None = None
     peers: Peers | None = None
     fd: int | None = None
+    places: Places | None = None
     background = threading.current_thread() is not threading.main_thread()
 
     def ours() -> list[Any]:
@@ -108,6 +112,7 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
     try:
         workdir = Workdir(spec.results.max_bytes)
         pipes = Pipes.open(nprocs)
+        places = Places(nprocs)
         if nodes.rank == 0:  # this node hosts the rendezvous
             sock = listener(port, nodes.host)
             port = sock.getsockname()[1]
@@ -115,7 +120,7 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
             if fd is None:
                 sock.close()  # an older torch: its static store binds the port itself
         assert port is not None, "a node other than 0 connects to node 0's port"
-        program = RankProgram(spec, env, pipes, workdir, port, detach=background)
+        program = RankProgram(spec, env, pipes, workdir, port, places, detach=background)
         relay = Relay(pipes, hooks.on_text, hooks.on_message, first)
         with kernel_state_kept(all_env=not background):
             logs = os.path.join(workdir.path, "logs")
@@ -131,10 +136,19 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
                 done = elastic.agent_thread().submit(partial(elastic.run_agent, config, accel_train, outcome))
                 peers = Peers(nodes, port, config.run_id) if nodes.count > 1 else None
             del config
+            judged = 0.0
             while not done.is_set() and not interrupts.stop.is_set():
                 relay.poll(0.05)
+                if time.monotonic() >= judged:
+                    judged = time.monotonic() + JUDGE_EVERY
+                    outcome.places = _places(places, relay, first)
+                    if nodes.count == 1 and not any(code for code, _ in relay.ended.values()):
+                        outcome.stuck = stuck(outcome.places, set(relay.started), time.monotonic())
+                        if outcome.stuck:
+                            _stop(done, ours, interrupts.again)
+                            break
                 if hooks.watch is not None:
-                    hooks.watch(relay)
+                    hooks.watch(relay, outcome.places)
                 if peers is not None:
                     _exchange(peers, relay, workdir, ours, elastic.served_store(fd))
             if interrupts.stop.is_set() and (interrupts.count or not done.is_set()):
@@ -144,6 +158,7 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
                 _interrupt(relay, done, ours, nprocs, interrupts.again)
                 _stop(done, ours, interrupts.again)
             relay.drain()
+            outcome.places = _places(places, relay, first)
             outcome.ended = relay.ended
             outcome.pids = dict(relay.started)
     finally:
@@ -156,6 +171,8 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
                 relay.close()
             if pipes is not None:
                 pipes.close()
+            if places is not None:
+                places.close()
             if fd is not None:
                 elastic.release_socket(fd)
             leftovers = ours()
@@ -175,6 +192,13 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
         finally:
             interrupts.release()  # the kernel's own handler again
     return outcome
+
+
+def _places(places: Places, relay: Relay, first: int) -> dict[int, Place]:
+    """Each rank's place as it last wrote it; a rank whose process ended well (os._exit(0)) finished the cell."""
+    seen = places.all(first)
+    seen.update((rank, Place("done")) for rank, (code, _) in relay.ended.items() if code == 0)
+    return seen
 
 
 def _interrupt(

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple
 
+from .places import Place, place_words
+
 __all__ = [
     "FailureKind",
     "RankFailure",
@@ -80,6 +82,8 @@ class LaunchOutcome:
     results_seconds: dict[str, float] = field(default_factory=dict)  # send (rank 0), receive, apply (kernel)
     ended: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (exit code or -signal, when)
     pids: dict[int, int] = field(default_factory=dict)  # rank -> its process's pid
+    places: dict[int, Any] = field(default_factory=dict)  # rank -> its last places.Place: cell line, collective
+    stuck: str = ""  # where the ranks waited when they could never meet again (they were stopped)
 
     def __repr__(self) -> str:
         status = "ok" if self.ok else ("interrupted" if self.interrupted else "failed")
@@ -97,7 +101,7 @@ class LaunchOutcome:
 
     @property
     def ok(self) -> bool:
-        return not self.failures and not self.interrupted and not self.agent_error
+        return not self.failures and not self.interrupted and not self.agent_error and not self.stuck
 
     def root_cause(self) -> RankFailure | None:
         """The rank where the failure started: an exception, exit or kill before any collateral error."""
@@ -117,9 +121,9 @@ CELL_LINE = re.compile(r"^  Cell line (\d+), in ", re.MULTILINE)
 
 def interrupted_words(outcome: LaunchOutcome, source: str = "") -> str:
     """The one line an interrupted launch ends with (errors.LaunchInterrupted's): how many ranks were stopped and
-    the line of the cell (or of `source`, what holds a launched function: "train.py", "train's cell") where this
-    node's first rank was, when it left one; or that no rank had started yet, or that every rank had ended
-    before the interrupt (and then nothing came back)."""
+    where each was: the line of the cell (or of `source`, what holds a launched function: "train.py", "train's
+    cell") and the collective it waited in; or that no rank had started yet, or that every rank had ended before
+    the interrupt (and then nothing came back)."""
     n = outcome.num_processes
     if not outcome.started:
         return "the launch was stopped before its ranks started"
@@ -130,12 +134,15 @@ def interrupted_words(outcome: LaunchOutcome, source: str = "") -> str:
             "notebook changed"
         )
     stopped = f"{ranks} were stopped" if n > 1 else f"{ranks} was stopped"
-    first = outcome.first_rank
-    lines = [int(m) for f in outcome.failures if f.rank == first for m in CELL_LINE.findall(f.traceback)]
-    if lines:
-        where = f"line {lines[-1]} of {source}" if source else f"cell line {lines[-1]}"
-        stopped += f" (rank {first} was at {where})"
-    return stopped
+    places = dict(outcome.places)
+    for failure in outcome.failures:  # the line its interrupt's traceback names is exact; a sample may be older
+        lines = CELL_LINE.findall(failure.traceback)
+        if lines:
+            place = places.get(failure.rank, Place())
+            same = place.line == int(lines[-1])
+            places[failure.rank] = Place(place.state, int(lines[-1]), place.op if same else "", place.called)
+    where = place_words(places, source=source)
+    return f"{stopped} ({where})" if where else stopped
 
 
 def abrupt(rank: int, code: int | None) -> RankFailure:
@@ -195,6 +202,11 @@ class Words(NamedTuple):
 
 def failure_words(outcome: LaunchOutcome, timeout: float, options: NodeOptions = NodeOptions()) -> Words:
     """The words of a failed launch (errors.LaunchError's): the rank where the failure started, and why."""
+    if outcome.stuck:  # the ranks were stopped: how torch's agent took that says nothing more
+        return Words(
+            f"{outcome.stuck}: every rank must reach the same collectives in the same order; nothing was brought back.",
+            ranks=False,
+        )
     if outcome.agent_error and outcome.num_nodes > 1:
         others = outcome.num_nodes - 1
         waited = outcome.rdzv_timeout or timeout
@@ -226,9 +238,10 @@ def failure_words(outcome: LaunchOutcome, timeout: float, options: NodeOptions =
         )
         return Words(headline)
     if root.kind == "timeout":
+        where = place_words(outcome.places)
         headline = (
             f"rank {root.rank}: a collective waited more than {timeout:g} s (--timeout) for the other ranks; "
-            f"every rank must reach the same collectives ({root.summary}){stopped}"
+            f"every rank must reach the same collectives ({root.summary}{'; ' + where if where else ''}){stopped}"
         )
     elif root.kind == "internal":
         headline = (

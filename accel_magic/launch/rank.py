@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from . import shm
 from .adopt import adopt_init_process_group, word_taken_port
 from .outcome import FailureKind, RankFailure
+from .places import Places, Sampler
 from .processes import REAL_EXIT
 from .relay import Pipes, capture_kernel_messages, frame
 from .workdir import Workdir
@@ -143,10 +144,17 @@ class RankProgram:
     """Everything a rank needs, inherited through fork; calling it runs the rank whose RANK the agent set."""
 
     def __init__(
-        self, spec: Launch, env: dict[str, str], pipes: Pipes, workdir: Workdir, port: int, detach: bool = False
+        self,
+        spec: Launch,
+        env: dict[str, str],
+        pipes: Pipes,
+        workdir: Workdir,
+        port: int,
+        places: Places,
+        detach: bool = False,
     ):
         self.spec, self.body, self.ranks, self.env = spec, spec.body, spec.ranks, env
-        self.pipes, self.workdir, self.port, self.detach = pipes, workdir, port, detach
+        self.pipes, self.workdir, self.port, self.places, self.detach = pipes, workdir, port, places, detach
         self.first_rank, self.cell_filename = spec.first_rank, spec.filename
         self.kernel = os.getpid()
         self.kernel_env = dict(os.environ)  # before torch's agent adds its own
@@ -174,7 +182,7 @@ class RankProgram:
                 )
             self._setup(local)
             phase = "cell"
-            self._run_cell(rank)
+            self._run_cell(rank, local)
             phase = "after"
             payload = self.body.results(local, self.workdir.results)
             if payload is not None:
@@ -234,8 +242,9 @@ class RankProgram:
                 shm.install(self.workdir.segment, self.ranks.timeout, self.ranks.cpus)
         self.body.setup(local)
 
-    def _run_cell(self, rank: int) -> None:
-        """Run the cell; a call to os._exit in it leaves no exception, so it is recorded, then done as asked."""
+    def _run_cell(self, rank: int, local: int) -> None:
+        """Run the cell, its place sampled for the kernel; a call to os._exit in it leaves no exception, so it is
+        recorded, then done as asked."""
 
         def recorded_exit(code: int) -> None:
             _flush()
@@ -246,8 +255,14 @@ class RankProgram:
             REAL_EXIT(code)
 
         real_exit, os._exit = os._exit, recorded_exit
+        sampler = Sampler(self.places, local, self.cell_filename)
         try:
             self.body.run()
+        except BaseException:
+            sampler.stop()  # its last place stays: where the cell was
+            raise
+        else:
+            sampler.finish()
         finally:
             os._exit = real_exit
 

@@ -53,14 +53,15 @@ def _ignore_message(message: dict[str, Any]) -> None: ...
 @dataclass(frozen=True)
 class Hooks:
     """What the kernel hears while the launch runs: each rank's text, the first rank's kernel messages, one line
-    per restart; in the background, `stop` ends the launch and `watch(relay)` sees ranks start and end after
-    every poll. The agent checks on the ranks every `monitor_interval` seconds."""
+    per restart; in the background, `stop` ends the launch and `watch(relay, places)` sees ranks start and end,
+    and where each is (rank -> places.Place), after every poll. The agent checks on the ranks every
+    `monitor_interval` seconds."""
 
     on_text: Callable[[int, str, str], None] = _ignore_text
     on_message: Callable[[dict[str, Any]], None] = _ignore_message
     on_restart: Callable[[str], None] = print
     stop: threading.Event | None = None
-    watch: Callable[[Any], None] | None = None
+    watch: Callable[[Any, dict[int, Any]], None] | None = None
     monitor_interval: float = 0.05
 
 

@@ -211,6 +211,32 @@ def _stream_buffer_lock() -> bool:
     return "self._buffer_lock = threading.RLock()" in source and "with self._buffer_lock" in source
 
 
+def _group_sequence_number() -> bool:
+    import torch
+    import torch.distributed as dist
+
+    from accel_magic.launch.places import _sequence_number
+
+    if dist.is_initialized():
+        return callable(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        before = _sequence_number()
+        dist.all_reduce(torch.ones(1))
+        dist.barrier()
+        return before >= 0 and _sequence_number() == before + 2
+    finally:
+        dist.destroy_process_group()
+
+
+def _accelerator_dataloaders() -> bool:
+    from accelerate import Accelerator
+    from accelerate.data_loader import BatchSamplerShard
+
+    prepare = inspect.getsource(Accelerator.prepare_data_loader)
+    return "self._dataloaders.append" in prepare and "even_batches" in inspect.signature(BatchSamplerShard).parameters
+
+
 def _argparse_actions() -> bool:
     parser = argparse.ArgumentParser()
     action = parser.add_argument("-n", "--num-processes")
@@ -228,6 +254,8 @@ PRIVATE_APIS: list[tuple[str, tuple[str, ...], Callable[[], bool]]] = [
     ("accel_magic.launch.relay", ("session", "iopub_socket"), _kernel_session),
     ("accel_magic.options", ("_option_string_actions",), _argparse_actions),
     ("accel_magic.launch.shm", ("_get_ddp_logging_data",), _ddp_comm_hook_name),
+    ("accel_magic.launch.places", ("_get_sequence_number_for_group", "_get_default_group"), _group_sequence_number),
+    ("accel_magic.accelerator", ("_dataloaders",), _accelerator_dataloaders),
 ]
 
 

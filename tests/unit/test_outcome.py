@@ -193,8 +193,8 @@ def test_an_interrupt_inside_a_function_of_the_cell_names_the_innermost_cell_lin
     assert str(launch_interrupted(interrupted(0, 12, 3))) == "the 2 ranks were stopped (rank 0 was at cell line 3)"
 
 
-def test_an_interrupt_before_rank_0_reached_the_cell_says_only_that_the_ranks_were_stopped() -> None:
-    assert str(launch_interrupted(interrupted(1, 4))) == "the 2 ranks were stopped"
+def test_an_interrupt_names_only_the_ranks_that_reached_the_cell() -> None:
+    assert str(launch_interrupted(interrupted(1, 4))) == "the 2 ranks were stopped (rank 1 was at cell line 4)"
     assert str(launch_interrupted(LaunchOutcome(3, interrupted=True, started=(0, 1, 2)))) == "the 3 ranks were stopped"
     assert str(launch_interrupted(interrupted(0, num_processes=1))) == "the rank was stopped"
 
