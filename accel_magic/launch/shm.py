@@ -9,8 +9,9 @@ bucket divided by the world size into its copy as DDP hands it over and raises i
 bucket it waits for the others' flags and sums the copies in rank order, so every rank gets the same bits (and, for
 two ranks, the bits gloo gives): a bucket of a MiB or more in parts, each rank its own part of the average, which
 every rank then reads once the others raised their flags again; a smaller one whole, by each rank, one wait fewer.
-A waiting rank spins, a millisecond when every rank has CPUs of its own and briefly when ranks outnumber them,
-then sleeps in the kernel on the flag it waits for (a futex, which the rank that raises a flag wakes; with no
+A waiting rank spins, a millisecond when every rank has CPUs of its own and briefly when ranks outnumber them or
+the machine has more runnable threads than CPUs (another program is busy: /proc/loadavg, looked at ten times a
+second), then sleeps in the kernel on the flag it waits for (a futex, which the rank that raises a flag wakes; with no
 futex, short sleeps with backoff), so a waiting rank takes no CPU from a busy machine; it watches its peers'
 processes, and gives up after the collective timeout with an error the rank's classifier files as collateral or
 as a timeout. The kernel removes the segment with the launch's
@@ -57,6 +58,7 @@ LONGEST_SLEEP = 0.0002  # seconds: the backoff's cap, the most a rank can oversl
 TIMER_SLACK_NS = 1000  # a rank's sleeps end within a microsecond of their time, not Linux's default 50
 PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
 WATCH_EVERY = 0.005  # seconds between two looks at the peers' processes while waiting (a /proc read each)
+LOOK_EVERY = 0.1  # seconds between two looks at how many threads the machine has runnable
 SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())  # Linux's syscall number (asm/unistd.h)
 FUTEX_WAIT, FUTEX_WAKE = 0, 1  # shared between processes: not the _PRIVATE variants
 
@@ -130,8 +132,12 @@ class Region:
 class Segment:
     """This rank's view of the launch's segment, and the waiting on the other ranks' flags."""
 
-    def __init__(self, path: str, rank: int, world: int, timeout: float, spin: float = SPIN) -> None:
+    def __init__(
+        self, path: str, rank: int, world: int, timeout: float, spin: float = SPIN, cpus: int | None = None
+    ) -> None:
         self.rank, self.world, self.timeout, self.spin = rank, world, timeout, spin
+        self.cpus = cpus or len(os.sched_getaffinity(0))
+        self.looked, self.crowded = 0.0, False
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         header = _round_up(world * 8, PAGE)
         os.posix_fallocate(self.fd, 0, header)
@@ -223,7 +229,7 @@ class Segment:
         collective timeout raise a RuntimeError instead."""
         flags = region.flags
         lines = [r * LINE for r in self.others]
-        until = time.perf_counter() + self.spin
+        until = time.perf_counter() + self.spin_now()
         while not all(flags[i] >= target for i in lines):
             if time.perf_counter() > until:
                 break
@@ -231,10 +237,15 @@ class Segment:
             return
         now = time.monotonic()
         deadline, watch, delay = now + self.timeout, now + WATCH_EVERY, 1e-5
-        while not all(flags[i] >= target for i in lines):
-            late = next(i for i in lines if flags[i] < target)
+        while True:
+            late = next((i for i in lines if flags[i] < target), None)
+            if late is None:
+                return
+            seen = flags[late]  # read once: the futex sleeps only while the flag still holds it
+            if seen >= target:
+                continue
             if self.futex is not None:
-                self.futex.wait(region.address + late * 4, flags[late])  # at once if it moved meanwhile
+                self.futex.wait(region.address + late * 4, seen)
             else:
                 time.sleep(delay)
                 delay = min(delay * 2, LONGEST_SLEEP)
@@ -242,11 +253,21 @@ class Segment:
             if now >= watch:
                 watch = now + WATCH_EVERY
                 self._watch(flags, target)
-                if now >= deadline:
-                    late = next(r for r in self.others if flags[r * LINE] < target)
+                if now >= deadline and flags[late] < target:
                     raise RuntimeError(
-                        f"the shared-memory all-reduce timed out waiting {self.timeout:g} s for rank {late}'s gradients"
+                        f"the shared-memory all-reduce timed out waiting {self.timeout:g} s for rank "
+                        f"{late // LINE}'s gradients"
                     )
+
+    def spin_now(self) -> float:
+        """How long to spin now: briefly while the machine has more runnable threads than CPUs (a spinning rank
+        would take a CPU that another program, or the peer it waits for, needs)."""
+        if self.spin <= SPIN:
+            return self.spin
+        now = time.monotonic()
+        if now >= self.looked + LOOK_EVERY:
+            self.looked, self.crowded = now, runnable() > self.cpus
+        return SPIN if self.crowded else self.spin
 
     def _watch(self, flags: memoryview, target: int) -> None:
         for r in self.others:
@@ -302,6 +323,15 @@ class Averager:
             future.set_result(self.segment.collect(region, buffer, step))  # DDP copies it into the gradients
 
 
+def runnable() -> int:
+    """The threads the machine has runnable now, this one included (/proc/loadavg's fourth field); 0 unknown."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def spin(world: int, threads: int, cpus: int) -> float:
     """How long a waiting rank spins before it sleeps: long enough to see a flag at once when every rank's
     threads have CPUs of their own, briefly when a spinning rank would take a CPU from one that computes."""
@@ -350,7 +380,7 @@ def install(path: str, timeout: float, cpus: int | None = None) -> None:
 
     world = dist.get_world_size()
     cpus = cpus or len(os.sched_getaffinity(0))
-    segment = Segment(path, dist.get_rank(), world, timeout, spin(world, torch.get_num_threads(), cpus))
+    segment = Segment(path, dist.get_rank(), world, timeout, spin(world, torch.get_num_threads(), cpus), cpus)
     with contextlib.suppress(Exception):  # short sleeps while waiting, without oversleeping a peer's flag
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)
     original = DistributedDataParallel.__init__
