@@ -44,6 +44,7 @@ _BACKWARD = (os.path.join("torch", "autograd", ""), os.path.join("torch", "_tens
 _SHM = os.path.join("accel_magic", "launch", "shm.py")
 _RANK = os.path.join("accel_magic", "launch", "rank.py")  # the rank's program: nothing outside it is the cell's
 DDP_AVERAGE = "DDP's gradient all-reduce"
+NOT_COLLECTIVES = ("destroy_process_group",)  # of torch.distributed's functions: its own ending, no meeting
 
 State = Literal["cell", "waits", "done"]
 
@@ -88,8 +89,9 @@ def where(frame: FrameType | None, cell_filename: str) -> tuple[int, str, str, b
             if not line:
                 line, called = frame.f_lineno, inner
         elif not line:
-            if filename.endswith(_C10D) and not name.startswith("_"):
-                op, idle_only = name, False  # the outermost: all_gather_object, not the all_gather it calls
+            if filename.endswith(_C10D):
+                if not name.startswith("_") and name not in NOT_COLLECTIVES:
+                    op, idle_only = name, False  # the outermost: all_gather_object, not the all_gather it calls
             elif not op and filename.endswith(_SHM) and name == "wait":
                 op = DDP_AVERAGE
             elif not op and any(part in filename for part in _DISTRIBUTED):

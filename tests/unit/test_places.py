@@ -52,6 +52,8 @@ def test_frames_outside_the_cell_and_torch_name_no_collective_and_an_unknown_cel
     assert where(frame_of([(CELL, "cell"), ("/home/u/lib.py", "step")], line_in_cell=7), CELL) == (7, "", "step", False)
     assert where(frame_of([(CELL, "cell"), (C10D, "barrier")]), "") == (0, "barrier", "", False)
     assert where(None, CELL) == (0, "", "", False)
+    ending = frame_of([(CELL, "cell"), (C10D, "destroy_process_group")])
+    assert where(ending, CELL) == (3, "", "destroy_process_group", False)  # the group's end meets nobody
 
 
 def test_the_slots_give_back_what_each_rank_wrote_and_nothing_for_a_rank_that_wrote_none() -> None:
