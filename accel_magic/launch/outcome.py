@@ -82,7 +82,7 @@ class LaunchOutcome:
     results_seconds: dict[str, float] = field(default_factory=dict)  # send (rank 0), receive, apply (kernel)
     ended: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (exit code or -signal, when)
     pids: dict[int, int] = field(default_factory=dict)  # rank -> its process's pid
-    places: dict[int, Any] = field(default_factory=dict)  # rank -> its last places.Place: cell line, collective
+    places: dict[int, Place] = field(default_factory=dict)  # rank -> its last place: cell line, collective
     stuck: str = ""  # where the ranks waited when they could never meet again (they were stopped)
 
     def __repr__(self) -> str:
