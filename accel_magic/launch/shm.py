@@ -11,11 +11,11 @@ two ranks, the bits gloo gives): a bucket of a MiB or more in parts, each rank i
 every rank then reads once the others raised their flags again; a smaller one whole, by each rank, one wait fewer.
 A waiting rank spins, a millisecond when every rank has CPUs of its own and briefly when ranks outnumber them or
 the machine has more runnable threads than CPUs (another program is busy: /proc/loadavg, looked at ten times a
-second), then sleeps in the kernel on the flag it waits for (a futex, which the rank that raises a flag wakes; with no
-futex, short sleeps with backoff), so a waiting rank takes no CPU from a busy machine; it watches its peers'
-processes, and gives up after the collective timeout with an error the rank's classifier files as collateral or
-as a timeout. The kernel removes the segment with the launch's
-folder (Workdir.remove), whatever happened to the ranks.
+second), then sleeps in the kernel on the flag it waits for (a futex, which the rank that raises a flag wakes;
+with no futex, short sleeps with backoff), so a waiting rank takes no CPU from a busy machine; it watches its
+peers' processes, and gives up after the collective timeout with an error the rank's classifier files as
+collateral or as a timeout. The kernel removes the segment with the launch's folder (Workdir.remove), whatever
+happened to the ranks.
 
 Private API of torch, used here only:
 - `DistributedDataParallel._get_ddp_logging_data()` (torch 1.9 and later) and its "comm_hook" key, which
