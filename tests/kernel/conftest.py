@@ -14,7 +14,7 @@ from typing import Any
 
 import nbformat
 import pytest
-from jupyter_client.manager import AsyncKernelManager, start_new_kernel
+from jupyter_client.manager import AsyncKernelManager
 from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 
@@ -67,8 +67,9 @@ class WarmKernelManager(AsyncKernelManager):
         return [cmd[0], "-c", WARM, *cmd[3:]]
 
 
-def start_kernel(env: Mapping[str, str] | None = None) -> AsyncKernelManager:
-    km = WarmKernelManager(kernel_name="python3")
+def start_kernel(env: Mapping[str, str] | None = None, warm: bool = True) -> AsyncKernelManager:
+    """A kernel started as a front end starts one: warm (torch imported first), or by ipykernel's own start."""
+    km = (WarmKernelManager if warm else AsyncKernelManager)(kernel_name="python3")
     run_sync(km.start_kernel)(env=dict(env or os.environ))
     return km
 
@@ -182,13 +183,16 @@ def kernel_run():
 
 
 class Blocking:
-    """A spare kernel's AsyncKernelManager, its coroutine methods called as a KernelManager's are."""
+    """An AsyncKernelManager or its AsyncKernelClient, its coroutine methods called as blocking ones, on the one
+    event loop jupyter_core's run_sync keeps for this thread (as nbclient's are). jupyter_client 7's own blocking
+    classes (the pinned stacks') run theirs under nest_asyncio, which patches that loop for the rest of the
+    session and once left an nbclient reply waiting for ever."""
 
-    def __init__(self, km: AsyncKernelManager) -> None:
-        self._km = km
+    def __init__(self, wrapped: Any) -> None:
+        self._wrapped = wrapped
 
     def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._km, name)
+        attr = getattr(self._wrapped, name)
         return run_sync(attr) if inspect.iscoroutinefunction(attr) else attr
 
 
@@ -196,12 +200,8 @@ class LiveKernel:
     """A real ipykernel driven message by message (for interrupts and timing), as a front end does."""
 
     def __init__(self) -> None:
-        km = SPARES.take()
-        if km is None:
-            self.km, self.kc = start_new_kernel(kernel_name="python3")
-            return
-        self.km = Blocking(km)
-        self.kc = km.blocking_client()
+        km = SPARES.take() or start_kernel(warm=False)
+        self.km, self.kc = Blocking(km), Blocking(km.client())
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
 
