@@ -13,7 +13,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import nbformat
+from ports import free_port
 
 ROOT = Path(__file__).parents[2]
 COLAB_PYTHON = ROOT / ".venv-colab" / "bin" / "python"
@@ -38,12 +38,6 @@ PROGRESS_BARS = """cell => [...cell.querySelectorAll('.widget-hprogress')].map(w
 def chromium_path() -> str | None:
     """Debian's chromium (installed by `make test` when missing); never a browser downloaded by a test tool."""
     return os.environ.get("ACCEL_MAGIC_CHROMIUM") or shutil.which("chromium")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_notebook(path: Path, *sources: str) -> None:

@@ -4,7 +4,6 @@ and two torchrun "nodes" on loopback, trains the same weights as the notebook's 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from ports import free_port
 
 NOTEBOOK = Path(__file__).parents[2] / "notebooks" / "02_ddp_on_cpu.ipynb"
 TIMEOUT = 180
@@ -39,13 +39,6 @@ class Exported:
         assert notebook.keys() == script.keys()
         differ = [k for k in notebook if not torch.equal(notebook[k], script[k])]
         assert not differ, f"{output}: {differ} differ from the notebook's weights"
-
-
-def free_port() -> str:
-    """A port of its own for each launch: 29500, the default, may be taken by another program."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
 
 
 def script_env() -> dict[str, str]:
@@ -90,7 +83,7 @@ def test_export_prints_the_files_cells_and_commands(exported: Exported) -> None:
 
 
 def test_accelerate_launch_trains_the_notebooks_weights(exported: Exported) -> None:
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", free_port()]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port())]
     result = exported.run(*launch, "--multi_gpu", "--num_processes", "2", output="accelerate_out")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "test accuracy gathered from both ranks" in result.stdout
@@ -98,7 +91,7 @@ def test_accelerate_launch_trains_the_notebooks_weights(exported: Exported) -> N
 
 
 def test_accelerate_launch_cpu_that_starts_one_process_is_refused(exported: Exported) -> None:
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", free_port()]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port())]
     result = exported.run(*launch, "--cpu", "--num_processes", "2", output="one_process_out")
     assert result.returncode != 0
     assert "accelerate launch started one process, not several" in result.stderr
@@ -107,7 +100,7 @@ def test_accelerate_launch_cpu_that_starts_one_process_is_refused(exported: Expo
 
 
 def test_torchrun_trains_the_notebooks_weights(exported: Exported) -> None:
-    launch = [sys.executable, "-m", "torch.distributed.run", "--master-port", free_port()]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port())]
     result = exported.run(*launch, "--nproc-per-node", "2", output="torchrun_out")
     assert result.returncode == 0, result.stderr[-3000:]
     exported.same_weights("torchrun_out")

@@ -6,9 +6,9 @@ the launch's one group: the distributed type, `num_processes` and its own `proce
 from __future__ import annotations
 
 import re
-import socket
 
 import pytest
+from ports import free_port
 
 FIRSTS = ("PartialState", "Accelerator", "TrainingArguments", "nothing")
 
@@ -102,9 +102,7 @@ def test_the_drop_in_across_two_kernels(live_kernels, tmp_path) -> None:
     for kernel in kernels:
         kernel.text(REPORT + "from accel_magic import notebook_launcher")
     for first in FIRSTS:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         log = tmp_path / f"{first}.order"
         ids = [
             k.send(

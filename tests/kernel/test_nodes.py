@@ -12,6 +12,7 @@ from typing import Any
 
 import psutil
 import pytest
+from ports import free_port
 
 SETUP = """\
 %load_ext accel_magic
@@ -29,12 +30,6 @@ def where():
         a = Accelerator()
     return a.process_index, a.num_processes, a.local_process_index
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

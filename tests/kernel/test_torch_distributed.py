@@ -7,6 +7,8 @@ import re
 import socket
 import time
 
+from ports import free_port
+
 SETUP = "%load_ext accel_magic"
 
 # PyTorch's "Getting Started with Distributed Data Parallel", on CPU: the model stays on the CPU (no .to(rank),
@@ -135,12 +137,6 @@ def test_collectives_new_group_and_refusals_of_arguments_that_disagree(kernel_ru
         assert error["ename"] == "LaunchError"
         assert any(sentence.format(rank=r, other=1 - r) in error["evalue"] for r in (0, 1)), error["evalue"]
     assert cells.text(6).strip() == "yes"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_the_ddp_tutorial_as_written_runs_through_mp_spawn_and_torch_is_untouched_elsewhere(kernel_run) -> None:
