@@ -7,6 +7,7 @@ import inspect
 import os
 import queue
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,9 +15,11 @@ from typing import Any
 
 import nbformat
 import pytest
+from jupyter_client.asynchronous import AsyncKernelClient
 from jupyter_client.manager import AsyncKernelManager
 from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
+from traitlets import Type, default
 
 
 class Cells:
@@ -57,7 +60,44 @@ kernelapp.launch_new_instance()
 """
 
 
-class WarmKernelManager(AsyncKernelManager):
+SLICE = 0.1  # seconds: the longest a message that arrived can wait unread (PatientChannel)
+_CHANNEL = AsyncKernelClient.class_traits()["shell_channel_class"].default_value  # jupyter_client 7's or 8's
+
+
+class PatientChannel(_CHANNEL):  # type: ignore[misc, valid-type]
+    """jupyter_client's asyncio channel, its waits cut in slices of SLICE s. The event loop learns of a message
+    through the zmq socket's edge-triggered notification, which pyzmq's asyncio sockets sometimes miss
+    (zeromq/pyzmq#1558, #2173): the message then waited unread until the wait's timeout (120 s in a live kernel's
+    cell, for ever in nbclient's wait for output). At the end of each slice pyzmq polls the socket itself, so a
+    missed notification costs at most SLICE."""
+
+    async def get_msg(self, timeout: float | None = None) -> dict[str, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = SLICE if deadline is None else min(SLICE, max(deadline - time.monotonic(), 0.0))
+            try:
+                return await super().get_msg(timeout=left)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+
+class PatientClient(AsyncKernelClient):
+    shell_channel_class = Type(PatientChannel)
+    iopub_channel_class = Type(PatientChannel)
+    stdin_channel_class = Type(PatientChannel)
+    control_channel_class = Type(PatientChannel)
+
+
+class PatientKernelManager(AsyncKernelManager):
+    """A kernel started by ipykernel's own start, its clients patient."""
+
+    @default("client_factory")
+    def _patient_client(self) -> type[PatientClient]:
+        return PatientClient
+
+
+class WarmKernelManager(PatientKernelManager):
     """A kernel whose process imported torch before ipykernel started (python -c WARM instead of
     python -m ipykernel_launcher)."""
 
@@ -69,7 +109,7 @@ class WarmKernelManager(AsyncKernelManager):
 
 def start_kernel(env: Mapping[str, str] | None = None, warm: bool = True) -> AsyncKernelManager:
     """A kernel started as a front end starts one: warm (torch imported first), or by ipykernel's own start."""
-    km = (WarmKernelManager if warm else AsyncKernelManager)(kernel_name="python3")
+    km = (WarmKernelManager if warm else PatientKernelManager)(kernel_name="python3")
     run_sync(km.start_kernel)(env=dict(env or os.environ))
     return km
 
@@ -134,7 +174,8 @@ def run_cells(*sources: str, timeout: int = 300, allow_errors: bool = False) -> 
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
     km = SPARES.take()
-    client = NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3", allow_errors=allow_errors)
+    options = {"timeout": timeout, "allow_errors": allow_errors, "kernel_manager_class": PatientKernelManager}
+    client = NotebookClient(nb, km=km, kernel_name="python3", **options)
     # a cell's last outputs may trail its reply on a busy machine: wait for them, and fail rather than lose them
     client.iopub_timeout, client.raise_on_iopub_timeout = 30, True
     try:
