@@ -17,6 +17,7 @@ from .session import current
 
 if TYPE_CHECKING:  # the plan renders itself through this module, which therefore never imports it at run time
     from .plan import Fallback, Plan
+    from .runtime import Runtime
 
 __all__ = [
     "headline",
@@ -50,6 +51,14 @@ def _count(n: int, word: str) -> str:
 
 def _gib(n: int | None) -> str:
     return f"{n / 2**30:.1f} GiB" if n else "unknown"
+
+
+def _memory(rt: Runtime) -> str:
+    """The memory limit that applies to the kernel, where it comes from, and what is available under it."""
+    if not rt.ram_bytes:
+        return "unknown"
+    limit = _gib(rt.ram_bytes) + ("" if rt.ram_limit == "machine" else f" ({rt.ram_limit} limit)")
+    return limit if rt.ram_available is None else f"{limit}, {_gib(rt.ram_available)} available"
 
 
 def _where(plan: Plan) -> str:
@@ -152,7 +161,8 @@ def detail_groups(plan: Plan) -> list[tuple[str, list[tuple[str, str]]]]:
     cpus = str(rt.cpu_budget) if rt.cpu_budget == rt.cpu_count else f"{rt.cpu_budget} usable of {rt.cpu_count}"
     runtime = [
         ("runs in", PLATFORMS.get(rt.platform, rt.platform)),
-        ("CPUs", f"{cpus}, RAM {_gib(rt.ram_bytes)}"),
+        ("CPUs", cpus),
+        ("memory", _memory(rt)),
         ("GPUs", describe_gpus(rt.gpus)),
         ("TPU", rt.tpu or "none"),
         ("versions", _versions(plan)),

@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GPU", "Runtime", "probe", "cpu_budget", "ram_bytes", "versions"]
+__all__ = ["GPU", "Runtime", "probe", "cpu_budget", "memory", "versions"]
 
 VERSIONED = ("torch", "accelerate", "ipython", "ipykernel", "ipywidgets")
 
@@ -54,7 +54,9 @@ class Runtime:
     deepspeed: bool = False
     cpu_budget: int = 1
     cpu_count: int = 1
-    ram_bytes: int | None = None
+    ram_bytes: int | None = None  # the memory limit that applies to the kernel: its cgroup's, else the machine's
+    ram_available: int | None = None  # what is free under that limit now
+    ram_limit: str = "machine"  # where ram_bytes comes from: "cgroup v2", "cgroup v1" or "machine"
     cuda_initialized: bool = False
     omp_num_threads: int | None = None
     shared_memory: bool = False  # ranks can average gradients in /dev/shm: Linux, x86-64, /dev/shm writable
@@ -152,18 +154,71 @@ def cpu_budget(env: Mapping[str, str], root: Path, affinity: int) -> int:
     return max(1, math.floor(min(x for x in limits if x > 0)))
 
 
-def ram_bytes(root: Path) -> int | None:
-    """The smaller of the cgroup memory limit and MemTotal."""
-    values: list[int] = []
-    for rel in ("sys/fs/cgroup/memory.max", "sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        text = _read(root / rel)
-        if text and text.isdigit() and int(text) < 1 << 60:  # v1 reports "no limit" as a huge number
-            values.append(int(text))
-    meminfo = _read(root / "proc/meminfo") or ""
-    for line in meminfo.splitlines():
-        if line.startswith("MemTotal:"):
-            values.append(int(line.split()[1]) * 1024)
-    return min(values) if values else None
+# Each cgroup version: where its tree is mounted, and its files of a cgroup's limit, usage, and statistics (whose
+# inactive_file is page cache the cgroup can drop, counted in its usage but not taken).
+CGROUP_MEMORY = {
+    "cgroup v2": ("sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),
+    "cgroup v1": ("sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+}
+
+
+def _number(path: Path) -> int | None:
+    text = _read(path)
+    return int(text) if text and text.isdigit() else None  # v2 writes "max" for no limit
+
+
+def _stat(path: Path, key: str) -> int:
+    """One number of a cgroup's memory.stat ("key value" lines); 0 where it is not there."""
+    for line in (_read(path) or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.isdigit():
+            return int(value)
+    return 0
+
+
+def _own_cgroups(root: Path) -> dict[str, str]:
+    """This process's cgroup in each version's tree (/proc/self/cgroup); the tree's root where that is unreadable."""
+    text = _read(root / "proc/self/cgroup")
+    if text is None:
+        return dict.fromkeys(CGROUP_MEMORY, "/")
+    own = {}
+    for line in text.splitlines():
+        number, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if number == "0" and not controllers:
+            own["cgroup v2"] = path
+        elif "memory" in controllers.split(","):
+            own["cgroup v1"] = path
+    return own
+
+
+def memory(root: Path) -> tuple[int | None, int | None, str]:
+    """The memory limit that applies to this process, what is available under it now, and where the limit comes
+    from: the tightest of its cgroup's and every ancestor's (a limit a container's own namespace hides is the tree's
+    root, where the walk ends) and the machine's MemTotal. Available: the smallest of each limit less what its
+    cgroup uses (but for page cache it can drop) and the machine's MemAvailable."""
+    meminfo = {}
+    for line in (_read(root / "proc/meminfo") or "").splitlines():
+        key, _, value = line.partition(":")
+        if value.split() and value.split()[0].isdigit():
+            meminfo[key] = int(value.split()[0]) * 1024
+    limit, available, source = meminfo.get("MemTotal"), meminfo.get("MemAvailable"), "machine"
+    for version, path in _own_cgroups(root).items():
+        mount, limit_file, usage_file, cache_key = CGROUP_MEMORY[version]
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts), -1, -1):
+            folder = root.joinpath(mount, *parts[:depth])
+            cap = _number(folder / limit_file)
+            if cap is None or cap >= 1 << 60:  # v1 writes "no limit" as a huge number
+                continue
+            if limit is None or cap < limit:
+                limit, source = cap, version
+            used = _number(folder / usage_file)
+            if used is not None:
+                free = max(cap - max(used - _stat(folder / "memory.stat", cache_key), 0), 0)
+                available = free if available is None else min(available, free)
+    if available is not None and limit is not None:
+        available = min(available, limit)
+    return limit, available, source
 
 
 def shared_memory(root: Path) -> bool:
@@ -342,6 +397,7 @@ def probe(
     found = _visible(listed, env)
     archs = torch_cuda_arch_list() if found else None
     aff = _affinity() if affinity is None else affinity
+    ram, ram_available, ram_limit = memory(root)
     return Runtime(
         platform=detect_platform(env, shell, user_ns),
         shell=shell_kind(shell),
@@ -354,7 +410,9 @@ def probe(
         deepspeed=importlib.util.find_spec("deepspeed") is not None,
         cpu_budget=cpu_budget(env, root, aff),
         cpu_count=os.cpu_count() or aff,
-        ram_bytes=ram_bytes(root),
+        ram_bytes=ram,
+        ram_available=ram_available,
+        ram_limit=ram_limit,
         cuda_initialized=_cuda_initialized(),
         omp_num_threads=_omp(env),
         shared_memory=shared_memory(root),

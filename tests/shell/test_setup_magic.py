@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -244,6 +245,28 @@ def test_python_m_accel_magic_prints_plan_as_text_and_json_without_secrets(monke
     assert data["plan"]["backend"] == "gloo" and data["plan"]["num_processes"] == 2
     assert data["runtime"]["versions"]["torch"]
     assert "secret" not in text + raw
+
+
+def test_python_m_accel_magic_in_a_memory_limited_cgroup_shows_its_limit_and_what_is_available() -> None:
+    import json
+
+    from cgroups import memory_cgroup
+
+    with memory_cgroup(3 * 2**30) as cgroup:
+        raw, text = [
+            subprocess.run(
+                [sys.executable, "-m", "accel_magic", *extra],
+                capture_output=True,
+                text=True,
+                check=True,
+                preexec_fn=cgroup.enter,
+            ).stdout
+            for extra in (["--json"], [])
+        ]
+    found = json.loads(raw)["runtime"]
+    assert (found["ram_bytes"], found["ram_limit"]) == (3 * 2**30, cgroup.version), found
+    assert 0 < found["ram_available"] < 3 * 2**30, found
+    assert re.search(rf"memory +3\.0 GiB \({cgroup.version} limit\), [\d.]+ GiB available", text), text
 
 
 def test_the_name_trait_set_after_loading_names_the_ranks_accelerator(ip) -> None:

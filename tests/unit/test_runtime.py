@@ -147,6 +147,62 @@ def test_fake_binder_one_cpu_quota_on_many_core_node(fake_sys_root: Path, no_gpu
     assert plan.threads_per_process == 1 and any("not for speed" in n for n in plan.notes)
 
 
+GiB = 2**30
+MEMINFO = "MemTotal:       16777216 kB\nMemFree:        1 kB\nMemAvailable:   12582912 kB\n"  # 16 GiB, 12 free
+
+
+def described(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in {"proc/meminfo": MEMINFO, **files}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_memory_under_cgroup_v2_is_the_tightest_limit_up_the_tree_less_what_it_uses_but_dropped_cache(
+    fake_sys_root: Path,
+) -> None:
+    kernel = "sys/fs/cgroup/user.slice/session/kernel"
+    root = described(fake_sys_root, {
+        "proc/self/cgroup": "0::/user.slice/session/kernel\n",
+        f"{kernel}/memory.max": "max\n", f"{kernel}/memory.current": str(GiB),
+        "sys/fs/cgroup/user.slice/session/memory.max": str(3 * GiB),
+        "sys/fs/cgroup/user.slice/session/memory.current": str(GiB + GiB // 2),
+        "sys/fs/cgroup/user.slice/session/memory.stat": f"anon {GiB}\ninactive_file {GiB // 2}\n",
+        "sys/fs/cgroup/user.slice/memory.max": str(8 * GiB),
+    })  # fmt: skip
+    assert runtime.memory(root) == (3 * GiB, 2 * GiB, "cgroup v2")
+
+
+@pytest.mark.parametrize("own", ["/process_api/90cd", "/docker/abc"], ids=["own path", "hidden by the namespace"])
+def test_memory_under_cgroup_v1_is_the_cgroups_limit_less_what_it_uses_but_dropped_cache(
+    fake_sys_root: Path, own: str
+) -> None:
+    at = "sys/fs/cgroup/memory" + ("/process_api/90cd" if own == "/process_api/90cd" else "")
+    root = described(fake_sys_root, {
+        "proc/self/cgroup": f"4:memory:{own}\n1:cpu:/\n0::/\n",
+        f"{at}/memory.limit_in_bytes": str(3 * GiB), f"{at}/memory.usage_in_bytes": str(5 * GiB // 2),
+        f"{at}/memory.stat": f"cache {GiB}\ninactive_file 1\ntotal_inactive_file {GiB}\n",
+    })  # fmt: skip
+    if own == "/process_api/90cd":
+        (root / "sys/fs/cgroup/memory/memory.limit_in_bytes").write_text("9223372036854771712\n")  # no limit above
+    assert runtime.memory(root) == (3 * GiB, 3 * GiB // 2, "cgroup v1")
+
+
+def test_memory_without_a_limit_is_the_machines_and_unreadable_is_unknown(fake_sys_root: Path) -> None:
+    root = described(fake_sys_root, {
+        "proc/self/cgroup": "4:memory:/a\n0::/\n",
+        "sys/fs/cgroup/memory/a/memory.limit_in_bytes": "9223372036854771712",
+        "sys/fs/cgroup/memory/a/memory.usage_in_bytes": str(GiB),
+        "sys/fs/cgroup/memory.max": "max",
+    })  # fmt: skip
+    assert runtime.memory(root) == (16 * GiB, 12 * GiB, "machine")
+    (root / "proc/meminfo").unlink()
+    (root / "proc/self/cgroup").unlink()
+    assert runtime.memory(root) == (None, None, "machine")
+    rt = probe(FakeZMQShell(), env={}, root=root, affinity=2)
+    assert "memory           unknown" in repr(make_plan(rt))
+
+
 def test_cpu_limit_variable_caps_the_budget(fake_sys_root: Path, no_gpu_tools: Path) -> None:
     rt = probe(None, env={"CPU_LIMIT": "3.5"}, root=fake_sys_root, affinity=16)
     assert rt.cpu_budget == 3 and rt.platform == "python"
