@@ -157,7 +157,7 @@ def processes_failed(err: LaunchError) -> LaunchError:
     root = outcome.root_cause() if outcome is not None else None
     if root is None:
         return err
-    exited = root.kind in ("exit", "signal")
+    exited = root.kind in ("exit", "signal", "memory")
     failed = _processes_failed_type(exited)(err.headline, err.details, outcome)
     failed.error_index, failed.error_pid = root.rank, outcome.pids.get(root.rank)  # type: ignore[attr-defined,union-attr]
     if exited:

@@ -156,6 +156,7 @@ def describe(
         cpus=plan.runtime.cpu_budget,
         max_restarts=plan.max_restarts,
         versions=versions_line,
+        memory_limit=(plan.runtime.ram_bytes, plan.runtime.ram_limit) if plan.runtime.ram_bytes else None,
     )
     if plan.num_nodes > 1:
         port = parse_endpoint(plan.rdzv_endpoint)[1]

@@ -11,7 +11,7 @@ from functools import partial
 from threading import Event
 from typing import Any
 
-from . import elastic, processes
+from . import elastic, memory, processes
 from .elastic import Nodes
 from .interrupts import Interrupts
 from .kernel import kernel_state_kept
@@ -84,6 +84,7 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
     nprocs, nodes, port, hooks = spec.ranks.num_processes, spec.nodes, spec.port, spec.hooks
     first = spec.first_rank
     outcome = LaunchOutcome(nprocs, first, nodes.count, nodes.endpoint(port or 0) if nodes.count > 1 else "")
+    outcome.memory_limit = spec.ranks.memory_limit
     if nodes.count > 1:
         outcome.rdzv_timeout = nodes.wait
     started = time.perf_counter()
@@ -109,6 +110,7 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
         return processes.descendants(known)
 
     interrupts = Interrupts.hold(hooks.stop)
+    kills = memory.oom_kills()
     try:
         workdir = Workdir(spec.results.max_bytes)
         pipes = Pipes.open(nprocs)
@@ -142,6 +144,7 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
                 if time.monotonic() >= judged:
                     judged = time.monotonic() + JUDGE_EVERY
                     outcome.places = _places(places, relay, first)
+                    memory.look(outcome.peaks, {r: p for r, p in relay.started.items() if r not in relay.ended})
                     if nodes.count == 1 and not any(code for code, _ in relay.ended.values()):
                         outcome.stuck = stuck(outcome.places, set(relay.started), time.monotonic())
                         if outcome.stuck:
@@ -180,6 +183,7 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
                 processes.stop(leftovers, hurry=interrupts.again)
             if interrupts.count:  # also one that came while the ranks ended on their own: nothing comes back
                 outcome.interrupted = True
+            outcome.oom_killed = kills is not None and (memory.oom_kills() or 0) > kills
             if workdir is not None:
                 try:
                     collect(outcome, {r: workdir.records(r) for r in outcome.ranks})

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple
 
+from . import memory
 from .places import Place, place_words
 
 __all__ = [
@@ -30,6 +31,7 @@ FailureKind = Literal[
     "exception",  # the cell raised
     "exit",  # the cell called sys.exit or os._exit with a non-zero code
     "signal",  # the rank ended without a record: killed, crashed, or ended by the agent
+    "memory",  # the out-of-memory killer ended the rank (the root cause whatever else ended meanwhile)
     "collateral",  # an error that a dead peer caused (never the root cause)
     "timeout",  # a collective waited past the process group's timeout
     "internal",  # accel_magic's own machinery failed inside the rank, before or after the cell
@@ -84,6 +86,9 @@ class LaunchOutcome:
     pids: dict[int, int] = field(default_factory=dict)  # rank -> its process's pid
     places: dict[int, Place] = field(default_factory=dict)  # rank -> its last place: cell line, collective
     stuck: str = ""  # where the ranks waited when they could never meet again (they were stopped)
+    peaks: dict[int, int] = field(default_factory=dict)  # rank -> the most memory its process held, in bytes
+    oom_killed: bool = False  # whether the out-of-memory killer ended a process while the launch ran
+    memory_limit: tuple[int, str] | None = None  # what the kernel and its ranks may use (Ranks.memory_limit)
 
     def __repr__(self) -> str:
         status = "ok" if self.ok else ("interrupted" if self.interrupted else "failed")
@@ -108,10 +113,11 @@ class LaunchOutcome:
         if not self.failures:
             return None
 
-        # The first to fail, by the time its record was written or its process was seen to end; errors that a
-        # dead peer caused come last whatever their time, and so do ends nobody saw.
-        def key(f: RankFailure) -> tuple[bool, bool, float, int]:
-            return (f.kind == "collateral", f.when is None, f.when or 0.0, f.rank)
+        # A rank the out-of-memory killer ended, else the first to fail, by the time its record was written or its
+        # process was seen to end (a killed rank's exit may be seen after the others were stopped for it); errors
+        # that a dead peer caused come last whatever their time, and so do ends nobody saw.
+        def key(f: RankFailure) -> tuple[bool, bool, bool, float, int]:
+            return (f.kind != "memory", f.kind == "collateral", f.when is None, f.when or 0.0, f.rank)
 
         return min(self.failures, key=key)
 
@@ -177,7 +183,11 @@ def collect(outcome: LaunchOutcome, records: Mapping[int, RankRecords]) -> None:
             outcome.failures.append(record.error)
         elif record.duration is None and record.started and (failed or outcome.exitcodes.get(r)):
             code, when = outcome.ended.get(r, (outcome.exitcodes.get(r), None))
-            outcome.failures.append(replace(abrupt(r, code), when=when))
+            failure = replace(abrupt(r, code), when=when)
+            if outcome.oom_killed and code == -signal.SIGKILL:
+                words = memory.killed_words(outcome.peaks.get(r), outcome.memory_limit)
+                failure = replace(failure, kind="memory", summary=words)
+            outcome.failures.append(failure)
 
 
 @dataclass(frozen=True)
@@ -249,7 +259,7 @@ def failure_words(outcome: LaunchOutcome, timeout: float, options: NodeOptions =
             f"not in your cell: please report it at {ISSUES_URL} with the traceback and versions below."
         )
         return Words(headline, f"{root.traceback.rstrip()}\nversions: {root.versions}")
-    elif root.kind in ("signal", "exit"):
+    elif root.kind in ("signal", "exit", "memory"):
         headline = f"rank {root.rank} {root.summary}{stopped}"
     else:  # one rank: the exception's own words end the line
         headline = f"rank {root.rank} raised {root.summary}" + (stopped if outcome.num_processes > 1 else "")

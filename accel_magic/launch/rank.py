@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from . import shm
+from . import memory, shm
 from .adopt import adopt_init_process_group, word_taken_port
 from .outcome import FailureKind, RankFailure
 from .places import Places, Sampler
@@ -167,6 +167,7 @@ class RankProgram:
         try:
             if self.detach:
                 detach_from_kernel(self.kernel)
+            memory.first_for_the_oom_killer()
             signal.signal(signal.SIGINT, interrupt_once)
             self.workdir.write("started", rank, os.getpid())
             self._redirect(local)

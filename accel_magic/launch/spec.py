@@ -22,7 +22,9 @@ class Ranks:
     started again after one failed. `cpus` is this machine's CPU budget (a waiting rank spins only where the
     ranks' threads leave CPUs free); `versions` gives the line of versions a record of an internal failure
     carries. `group=False`: the body makes its own process group (torch's spawn), and each rank sees the
-    kernel's environment with `env`, without what torch's agent sets for the group it would have made."""
+    kernel's environment with `env`, without what torch's agent sets for the group it would have made.
+    `memory_limit`: the memory the kernel and its ranks may use (bytes, and where that comes from: "cgroup v2",
+    "cgroup v1" or "machine"), for the words of a rank the out-of-memory killer ends."""
 
     num_processes: int
     backend: str = "gloo"
@@ -33,6 +35,7 @@ class Ranks:
     max_restarts: int = 0
     versions: Callable[[], str] = str
     group: bool = True
+    memory_limit: tuple[int, str] | None = None
 
 
 @dataclass(frozen=True)

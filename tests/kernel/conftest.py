@@ -241,6 +241,7 @@ class LiveKernel:
     """A real ipykernel driven message by message (for interrupts and timing), as a front end does."""
 
     def __init__(self) -> None:
+        self.closed = False
         km = SPARES.take() or start_kernel(warm=False)
         self.km, self.kc = Blocking(km), Blocking(km.client())
         self.kc.start_channels()
@@ -296,6 +297,10 @@ class LiveKernel:
         return "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in outputs)
 
     def close(self) -> None:
+        """Shut the kernel down (once: a test may end it before its fixture does)."""
+        if self.closed:
+            return
+        self.closed = True
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=True)
 

@@ -34,6 +34,27 @@ def test_a_rank_that_started_left_no_record_and_was_seen_killed_is_reported_kill
     )
 
 
+def test_a_rank_the_out_of_memory_killer_ended_names_its_peak_the_limit_and_what_to_try() -> None:
+    # rank 0 was seen to end first, by the SIGTERM it got once rank 1 was gone, whose large exit took longer
+    records = {0: RankRecords(started=True), 1: RankRecords(started=True)}
+    ended = {0: (-15, 100.0), 1: (-9, 100.5)}
+    for limit, within in [
+        ((3 * 2**30, "cgroup v1"), "; the kernel and its ranks may use 3.0 GiB, the cgroup v1 limit"),
+        ((16 * 2**30, "machine"), "; the machine has 16.0 GiB"),
+        (None, ""),
+    ]:
+        outcome = LaunchOutcome(2, exitcodes={0: -15, 1: -9}, ended=dict(ended), peaks={0: 2**29, 1: 2**31})
+        outcome.oom_killed, outcome.memory_limit = True, limit
+        collect(outcome, records)
+        assert str(launch_error(outcome, 900)) == (
+            f"rank 1 was killed by the out-of-memory killer at 2.0 GiB (its peak{within}): try fewer ranks, a smaller "
+            "batch or bf16 mixed precision; the other ranks were stopped."
+        )
+    outcome = LaunchOutcome(2, exitcodes={0: -15, 1: -9}, ended=dict(ended), peaks={1: 2**31})
+    collect(outcome, records)  # no out-of-memory kill counted while it ran: the first end seen is the root
+    assert str(launch_error(outcome, 900)) == "rank 0 was killed by SIGTERM; the other ranks were stopped."
+
+
 def test_a_rank_seen_without_a_watch_is_named_by_the_agents_exit_code_and_its_time_is_unknown() -> None:
     outcome = LaunchOutcome(2, exitcodes={0: 0, 1: 3})
     collect(outcome, {0: RankRecords(started=True, duration=1.0), 1: RankRecords(started=True)})
