@@ -122,7 +122,8 @@ def test_interrupt_mid_training_leaves_the_kernel_clean(live_kernel) -> None:
 
 
 @pytest.mark.fresh_kernel  # the kernel as ipykernel starts it, file descriptors and all
-def test_soak_fifty_launches_keep_memory_files_and_tmp_flat(kernel_run) -> None:
+def test_soak_thirty_launches_keep_memory_files_and_tmp_flat(kernel_run) -> None:
+    """Three rounds of ten kinds of launch, good and failing; `make bench` measures memory over more launches."""
     kinds = [
         ("ok", "%%accel_train -n 2\nresult = torch.randn(250_000) + accelerator.process_index"),
         (
@@ -147,7 +148,7 @@ def test_soak_fifty_launches_keep_memory_files_and_tmp_flat(kernel_run) -> None:
         ("ok", "%%accel_train -n 2\nresult = torch.zeros(500_000)"),
         ("limit", "%%accel_train -n 2 --max-return-mb 1\nresult = torch.zeros(1_000_000)"),
     ]
-    launches = [kinds[i % len(kinds)] for i in range(50)]
+    launches = [kinds[i % len(kinds)] for i in range(3 * len(kinds))]
     measure = (
         "import gc; gc.collect()\nme = psutil.Process()\n"
         "figures.append((me.memory_info().rss, len(os.listdir('/proc/self/fd')), leftovers()))"
@@ -166,10 +167,11 @@ def test_soak_fifty_launches_keep_memory_files_and_tmp_flat(kernel_run) -> None:
         errors = [o for o in nb.outputs(5 + i) if o["output_type"] == "error"]
         assert (kind == "ok") == (not errors), (i, kind, nb.text(5 + i))
     summary = nb.text(len(cells) - 1).strip()
-    print(f"soak: 50 launches in {took:.0f} s; {summary}")
+    print(f"soak: {len(launches)} launches in {took:.0f} s; {summary}")
     growth = float(re.search(r"RSS growth (-?[\d.]+) MB", summary).group(1))
     fds = re.search(r"fds (\d+) -> (\d+)", summary)
-    assert growth < 50 and fds.group(1) == fds.group(2) and summary.endswith("leftovers equal True"), summary
+    assert growth < len(launches), summary  # MB: less than one a launch
+    assert fds.group(1) == fds.group(2) and summary.endswith("leftovers equal True"), summary
 
 
 def test_listening_sockets_of_kernel_and_ranks_are_on_loopback_only(kernel_run) -> None:
