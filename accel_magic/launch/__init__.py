@@ -161,6 +161,8 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
                 _interrupt(relay, done, ours, nprocs, interrupts.again)
                 _stop(done, ours, interrupts.again)
             relay.drain()
+            if peers is not None and not outcome.interrupted:  # a failure seen only as the agent ended: tell it
+                _exchange(peers, relay, workdir, ours, elastic.served_store(fd))
             outcome.places = _places(places, relay, first)
             outcome.ended = relay.ended
             outcome.pids = dict(relay.started)
