@@ -199,8 +199,9 @@ def memory(root: Path) -> tuple[int | None, int | None, str]:
     meminfo = {}
     for line in (_read(root / "proc/meminfo") or "").splitlines():
         key, _, value = line.partition(":")
-        if value.split() and value.split()[0].isdigit():
-            meminfo[key] = int(value.split()[0]) * 1024
+        number = value.split()[:1]
+        if number and number[0].isdigit():
+            meminfo[key] = int(number[0]) * 1024
     limit, available, source = meminfo.get("MemTotal"), meminfo.get("MemAvailable"), "machine"
     for version, path in _own_cgroups(root).items():
         mount, limit_file, usage_file, cache_key = CGROUP_MEMORY[version]
