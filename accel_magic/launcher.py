@@ -18,6 +18,7 @@ from typing import Any
 from .accelerator import join_uneven_inputs_on_cpu, rank_state, reset_state, state_set_aside
 from .display import write_rank_text
 from .errors import LauncherError, PlanError
+from .footprint import used_by
 from .jobs import refuse_while_running
 from .launch import Hooks, NodeOptions, Results
 from .launch.relay import publish_kernel_message
@@ -66,6 +67,10 @@ class FunctionBody:
 
     def run(self) -> None:
         self.value = self.function(*self.args)
+
+    def uses(self) -> list[Any]:
+        """The notebook's models and optimizers the function uses."""
+        return used_by(self.function, self.args)
 
     def results(self, rank: int, folder: str) -> bytes | None:
         if rank != 0 or self.value is None:

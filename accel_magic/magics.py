@@ -35,9 +35,11 @@ from .options import (
 from .panel import mark_shown, show_plan
 from .plan import ALLREDUCE, DEFAULT_TIMEOUT, MIXED_PRECISION, STRATEGIES, Plan, Request, make_plan
 from .runtime import Runtime, probe
-from .train import launch_interrupted, run_in_kernel, run_ranks, stopped_before_start
+from .train import fit_in_kernel, launch_interrupted, run_in_kernel, run_ranks, stopped_before_start
 
 __all__ = ["AccelMagics"]
+
+STRICT = "refuse instead of falling back, or of starting short of memory"
 
 
 def _is_accelerator(obj: Any) -> bool:
@@ -64,7 +66,11 @@ class AccelMagics(Magics):
         config=True
     )
     strategy = Enum(STRATEGIES, "ddp", help="Distributed strategy: ddp, fsdp or deepspeed.").tag(config=True)
-    strict = Bool(False, help="Refuse instead of falling back when a request cannot be honoured.").tag(config=True)
+    strict = Bool(
+        False,
+        help="Refuse instead of falling back when a request cannot be honoured, or of starting a launch "
+        "that will need more memory than is available.",
+    ).tag(config=True)
     name = Unicode("accelerator", help="Name of the Accelerator variable in the notebook.").tag(config=True)
     timeout = Float(
         DEFAULT_TIMEOUT,
@@ -180,7 +186,7 @@ class AccelMagics(Magics):
     @magic_arguments()
     @plan_arguments
     @argument("--strategy", metavar="S", help="ddp, fsdp or deepspeed")
-    @argument("--strict", action="store_true", help="refuse instead of falling back")
+    @argument("--strict", action="store_true", help=STRICT)
     @argument("--name", metavar="NAME", help="variable for the Accelerator (default: accelerator)")
     @argument("--force", action="store_true", help="replace a variable of that name that is not an Accelerator")
     @argument("--quiet", action="store_true", help="do not show the panel")
@@ -210,6 +216,7 @@ class AccelMagics(Magics):
     @argument("--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address and port, the same on every node")
     @argument("--background", action="store_true", help="return once the ranks run; results come at the next cell")
     @argument("--max-restarts", metavar="N", help="start every rank again after a rank failed, up to N times")
+    @argument("--strict", action="store_true", help=STRICT)
     @cell_magic
     def accel_train(self, line: str, cell: str) -> None:
         """Run the cell as N ranks (forked processes forming one process group) and bring rank 0's results
@@ -284,6 +291,10 @@ class AccelMagics(Magics):
         if plan.launch == "kernel":
             if self.plan is None or self.plan.request != request:
                 self._setup(request, self.accelerator_name, quiet=True, runtime=runtime)
+            try:
+                fit_in_kernel(code, self.shell.user_ns, plan)
+            except TrainError as err:
+                raise UsageError(str(err)) from None
             run_in_kernel(self.shell, cell, result_name)
             return
         try:
@@ -375,6 +386,7 @@ class AccelMagics(Magics):
             allreduce=choice(args.allreduce, ALLREDUCE, "--allreduce") or base.allreduce or self.allreduce,
             timeout=positive_float(args.timeout, "--timeout") or base.timeout or self.timeout,
             background=args.background,
+            strict=args.strict or base.strict or self.strict,
             max_restarts=given(count(args.max_restarts, "--max-restarts"), self.max_restarts),
             **nodes(args),
         )

@@ -24,6 +24,7 @@ from typing import Any
 from .accelerator import join_uneven_inputs_on_cpu, reset_state
 from .display import write_rank_text
 from .errors import LauncherError, LaunchError, TrainError, processes_failed
+from .footprint import used_by
 from .jobs import refuse_while_running
 from .launch import Hooks, forks
 from .launch.relay import publish_kernel_message
@@ -53,6 +54,10 @@ class SpawnBody:
 
     def run(self) -> None:
         self.function(self.index, *self.args)
+
+    def uses(self) -> list[Any]:
+        """The notebook's models and optimizers the function uses."""
+        return used_by(self.function, self.args)
 
     def results(self, rank: int, folder: str) -> bytes | None:
         return None

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -15,6 +16,7 @@ from .accelerator import join_uneven_inputs_on_cpu, rank_accelerator, rank_envir
 from .cell import CellCode
 from .display import launch_banner, write_rank_text
 from .errors import LaunchError, LaunchInterrupted, TrainError, ranks_failed
+from .footprint import banner_line, estimate, fit_words, kernel_private, used_objects
 from .launch import (
     Hooks,
     Launch,
@@ -35,9 +37,10 @@ from .launch.ports import check_port
 from .launch.relay import publish_kernel_message
 from .plan import Plan, parse_endpoint
 from .results import Received, pack_payload, receive_payload, track_prepare, unpack_results
+from .runtime import memory
 
-__all__ = ["CellBody", "FrontDoor", "run_in_kernel", "plan_nodes", "describe", "check_launch", "start",
-           "launch_error", "function_source", "launch_interrupted", "launch_failure", "stopped_before_start",
+__all__ = ["CellBody", "FrontDoor", "run_in_kernel", "plan_nodes", "describe", "check_launch", "fit", "fit_in_kernel",
+           "start", "launch_error", "function_source", "launch_interrupted", "launch_failure", "stopped_before_start",
            "launch_plan", "bring_back", "results_interrupted", "run_ranks"]  # fmt: skip
 
 _MISSING = object()
@@ -71,6 +74,10 @@ class CellBody:
 
     def run(self) -> None:
         exec(self.cell.code, self.ns)
+
+    def uses(self) -> list[Any]:
+        """The notebook's models and optimizers the cell uses."""
+        return used_objects(self.cell.code, self.ns)
 
     def results(self, rank: int, folder: str) -> bytes | None:
         if rank != 0 or self.returns is None:  # --no-return
@@ -183,11 +190,43 @@ def check_launch(spec: Launch, plan: Plan, door: FrontDoor = CELL) -> None:
         )
 
 
+def fit(objects: list[Any], plan: Plan, in_kernel: bool = False) -> tuple[str, str]:
+    """Whether training `objects` (the notebook's models and optimizers the launch uses) under the plan fits in
+    the memory available now: the sentence that says it will need more than there is (TrainError with it under
+    --strict), and the banner's line when it will need more than half ("" each else)."""
+    if not objects:
+        return "", ""
+    shm = plan.allreduce == "shm" and not in_kernel
+    footprint = estimate(
+        objects, plan.num_processes, in_kernel=in_kernel, shared_memory=shm, kernel_private=kernel_private()
+    )
+    available = memory(ROOT)[1]
+    words = fit_words(footprint, available, plan.request.strict)
+    if words and plan.request.strict:
+        raise TrainError(words)
+    return words, banner_line(footprint, available)
+
+
+ROOT = Path("/")
+
+
+def fit_in_kernel(code: CellCode, ns: Mapping[str, Any], plan: Plan) -> None:
+    """Before a cell runs in the kernel: the sentence that says it will need more memory than is available (under
+    --strict, TrainError with it)."""
+    warning, _ = fit(used_objects(code.code, ns), plan, in_kernel=True)
+    if warning:
+        print(warning)
+
+
 def start(spec: Launch, plan: Plan, door: FrontDoor = CELL) -> None:
     """The launch's first steps in every front door: refused in one sentence (TrainError) when it cannot start
-    here, else announced by the launch banner. `launch.run(spec)` runs it next."""
+    here or, under --strict, will need more memory than is available; else announced by the launch banner, with
+    what it will need in memory when that is more than half of what is available. `launch.run(spec)` runs it
+    next."""
     check_launch(spec, plan, door)
-    print(door.banner or launch_banner(plan))
+    uses = getattr(spec.body, "uses", None)
+    warning, memory_line = fit(uses() if uses is not None else [], plan)
+    print("\n".join(filter(None, [door.banner or launch_banner(plan), memory_line, warning])))
 
 
 def launch_failure(outcome: LaunchOutcome, plan: Plan, door: FrontDoor = CELL) -> Exception | KeyboardInterrupt | None:

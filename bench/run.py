@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import allreduce
+import footprint
 import launch_overhead
 import memory
 import results_back
@@ -30,6 +31,7 @@ CASES = {
     "memory": (memory.measure, {"launches": 20}, {"launches": 5}),
     "allreduce": (allreduce.measure, {"repeats": 3}, {"repeats": 1}),
     "waiting": (waiting.measure, {"repeats": 3}, {"repeats": 1}),
+    "footprint": (footprint.measure, {}, {"counts": (1, 2), "first_use": False}),
 }
 
 

@@ -39,3 +39,41 @@ def test_a_rank_over_the_limit_is_the_one_killed_and_says_its_peak_and_the_limit
             assert live_kernel.text("%%accel_train -n 2\nprint('again')").count("again") == 2
         finally:
             live_kernel.close()
+
+
+def test_a_launch_that_will_need_more_than_is_available_says_so_before_it_starts_and_strict_refuses(
+    live_kernel,
+) -> None:
+    with memory_cgroup(LIMIT) as cgroup:
+        (cgroup.folder / "cgroup.procs").write_text(str(live_kernel.km.provisioner.process.pid))
+        try:
+            live_kernel.text(
+                "import torch\n%load_ext accel_magic\n%accel_setup --quiet\n"
+                "model = torch.nn.Linear(8192, 8192)  # 268 MB of weights: AdamW's state twice that, in each rank\n"
+                "opt = torch.optim.AdamW(model.parameters())\nsmall = torch.nn.Linear(8, 8)"
+            )
+            look = "print(sum(p.numel() for p in model.parameters()), opt.defaults['lr'])"
+            said = live_kernel.text(f"%%accel_train -n 2 --no-return\n{look}")
+            warning = re.search(r"^The 2 ranks will need about ([\d.]+) GiB beyond.*$", said, re.M)
+            assert warning and float(warning[1]) > 3, said  # 2 x (weights, gradients, state, buckets) and more
+            assert warning[0].endswith(
+                "available: a rank may be killed for memory; try fewer ranks, a smaller batch or bf16 mixed precision."
+            ), said
+            assert said.index("accel_train: 2 processes") < said.index(warning[0]) < said.index("67117056 0.001")
+            assert said.count("67117056 0.001") == 2  # it went on
+            last = live_kernel.text("print(id(accel_result))")
+            refused = live_kernel.text(f"%%accel_train -n 2 --strict --no-return\n{look}")
+            assert re.fullmatch(
+                r"UsageError: The 2 ranks will need about [\d.]+ GiB beyond what they share with the kernel, more "
+                r"than the [\d.]+ (GiB|MiB) available: nothing was launched \(without --strict it would start "
+                r"anyway\); try fewer ranks, a smaller batch or bf16 mixed precision\.\n",
+                refused,
+            ), refused
+            assert live_kernel.text("print(id(accel_result))") == last  # no launch, no outcome
+            in_kernel = live_kernel.text(f"%%accel_train -n 1\n{look}")
+            assert re.match(r"This cell will need about [\d.]+ GiB, more than the .* restart, losing", in_kernel)
+            assert in_kernel.strip().endswith("67117056 0.001"), in_kernel
+            small = live_kernel.text("%%accel_train -n 2 --strict --no-return\nprint(small.weight.shape)")
+            assert "will need" not in small and small.count("torch.Size([8, 8])") == 2, small
+        finally:
+            live_kernel.close()
