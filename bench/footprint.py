@@ -93,8 +93,9 @@ def measure(counts: tuple[int, ...] = (1, 2, 4), first_use: bool = True) -> Sect
     section = Section(
         "8. Memory a launch needs",
         "The launch's estimate before it starts against the measured peak of what the kernel and its ranks "
-        "allocated beyond what the kernel held (a memory cgroup entered just before the launch); AdamW, 20 steps; "
-        "MiB.",
+        "allocated beyond what the kernel held (a memory cgroup entered just before the launch); AdamW, 20 steps, "
+        "after one step of a copy in the notebook, or on first use, where the modules a first step imports come "
+        "on top; MiB.",
         ["model", "launch", "estimate", "measured peak", "estimate / peak"],
         rows,
     )
