@@ -42,13 +42,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(getattr(pytest.mark, layer))
 
 
-def two_ranks_stopped(line: str, at: str = "cell line {}") -> str:
+def two_ranks_stopped(line: str, at: str = "cell line {}", starting: bool = False) -> str:
     """A regular expression of the line an interrupt of 2 ranks ends with, rank 0 at `line` (a pattern): each
-    rank's place, rank 1's wherever it was (or nowhere yet), and both together when they were at the same place."""
+    rank's place, rank 1's wherever it was (or nowhere yet), and both together when they were at the same place.
+    `starting`: the interrupt may come as the ranks start, when rank 1 may be in the cell and rank 0 not yet."""
     rank_0, rank_1 = at.format(line), at.format(r"\d+")
-    return (
-        rf"the 2 ranks were stopped \((ranks 0 and 1 were at {rank_0}|rank 0 was at {rank_0}(, rank 1 at {rank_1})?)\)"
-    )
+    places = rf"ranks 0 and 1 were at {rank_0}|rank 0 was at {rank_0}(, rank 1 at {rank_1})?"
+    if starting:
+        places += f"|rank 1 was at {rank_1}"
+    return rf"the 2 ranks were stopped \(({places})\)"
 
 
 @pytest.fixture(name="two_ranks_stopped")

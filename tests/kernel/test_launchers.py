@@ -333,7 +333,7 @@ def test_interrupting_the_drop_in_as_it_starts_ends_in_one_line_and_leaves_nothi
             continue
         assert re.fullmatch(
             r"the launch was stopped before its ranks started|the 2 ranks were stopped|"
-            + two_ranks_stopped(r"\d", "line {} of forever's cell"),
+            + two_ranks_stopped(r"\d", "line {} of forever's cell", starting=True),
             error["evalue"],
         ), error["evalue"]
         if error["evalue"].startswith("the launch"):
