@@ -6,7 +6,7 @@ STACKS := colab kaggle minimum
 # The layers every pinned stack runs: everything but the binder/ build, which has a Python of its own.
 PINNED_LAYERS := tests/unit tests/ranks tests/shell tests/kernel
 
-.PHONY: env envs quickstart test lint test-main $(addprefix test-,$(STACKS)) bench chromium screenshots gpu-check
+.PHONY: env envs quickstart test lint docs test-main $(addprefix test-,$(STACKS)) bench chromium screenshots gpu-check
 
 # uv installs the environments' pins, fetching in parallel (a pinned stack's torch is PyPI's CUDA build, GBs).
 UV := .venv-uv/bin/uv
@@ -32,8 +32,8 @@ quickstart: $(VENV)/.installed
 	$(VENV)/bin/python scripts/run_notebook.py notebooks/01_quickstart.ipynb
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check accel_magic tests scripts bench
-	$(VENV)/bin/ruff format --check accel_magic tests scripts bench
+	$(VENV)/bin/ruff check accel_magic tests scripts bench docs/conf.py
+	$(VENV)/bin/ruff format --check accel_magic tests scripts bench docs/conf.py
 
 # The browser layer drives Debian's chromium (never a browser downloaded by a test tool); root installs it.
 chromium:
@@ -65,3 +65,8 @@ bench: $(VENV)/.installed
 # The GPU path end to end in real kernels, on a machine with NVIDIA GPUs (CI has none): one line per check.
 gpu-check:
 	scripts/gpu_check.sh
+
+# The documentation site, into build/docs: docs/ and the notebooks as the kernel layer executed them, by Sphinx
+# with warnings as errors, every link between its pages checked (the browser layer builds it and opens it).
+docs: $(VENV)/.installed
+	$(VENV)/bin/python scripts/build_docs.py

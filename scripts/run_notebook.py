@@ -24,10 +24,10 @@ def cell_text(output: dict) -> str:
     return output.get("data", {}).get("text/plain", "") + "\n"
 
 
-def run(path: str, timeout: int = 300) -> nbformat.NotebookNode:
-    """Execute in the notebook's own folder, as Jupyter does."""
+def run(path: str, timeout: int = 300, folder: str | None = None) -> nbformat.NotebookNode:
+    """Execute in `folder`, by default the notebook's own, as Jupyter does."""
     nb = nbformat.read(path, as_version=4)
-    folder = str(Path(path).resolve().parent)
+    folder = folder or str(Path(path).resolve().parent)
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": folder}})
     # a cell's last outputs may trail its reply on a busy machine: wait for them, and fail rather than lose them
     client.iopub_timeout, client.raise_on_iopub_timeout = 30, True

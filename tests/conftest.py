@@ -35,11 +35,16 @@ def pytest_report_header() -> str:
 LAYERS = ("unit", "ranks", "shell", "kernel", "binder", "browser")
 
 
+# The documentation site shows the notebooks as the kernel layer executed them: its test runs after that layer.
+LAST = "tests/browser/test_site.py"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         for layer in LAYERS:
             if f"/tests/{layer}/" in str(item.path):
                 item.add_marker(getattr(pytest.mark, layer))
+    items.sort(key=lambda item: str(item.path).endswith(LAST))  # stable: every other test keeps its place
 
 
 def two_ranks_stopped(line: str, at: str = "cell line {}", starting: bool = False) -> str:
