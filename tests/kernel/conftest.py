@@ -296,6 +296,12 @@ class LiveKernel:
         _, outputs = self.execute(code, timeout)
         return "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in outputs)
 
+    def value(self, expression: str, timeout: float = 120) -> str:
+        """The repr of an expression's value, from the cell's result alone: a line an earlier cell wrote late (a
+        warning of an import it interrupted) may reach the front end under this cell's request."""
+        _, outputs = self.execute(expression, timeout)
+        return "".join(o["data"]["text/plain"] for o in outputs if o["output_type"] == "execute_result")
+
     def close(self) -> None:
         """Shut the kernel down (once: a test may end it before its fixture does)."""
         if self.closed:
