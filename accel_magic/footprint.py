@@ -6,11 +6,10 @@ Each forked rank comes to hold its own copy of the weights and buffers it writes
 kernel's), its gradients, its optimizer's state and the temporaries of its step (the largest parameter twice over),
 DDP's gradient buckets, and the pages of the kernel's heap it writes as Python and torch run (reference counts, the
 collector's marks, the allocator's arenas: measured at about BASE_SHARE of the kernel's own private memory less
-those tensors). The
-ranks together share the launch's segment of gradient averages in shared memory, when they use one. A cell that
-runs in the kernel (`-n 1`) adds only its gradients, its optimizer's state and the step's temporaries. Activations
-depend on the batch and are not counted, nor are modules imported for the first time: `make bench` sets the
-estimate against the measured peak.
+those tensors). The ranks together share the launch's segment of gradient averages in shared memory, when they
+use one. A cell that runs in the kernel (`-n 1`) adds only its gradients, its optimizer's state and the step's
+temporaries. Activations depend on the batch and are not counted, nor are modules imported for the first time:
+`make bench` sets the estimate against the measured peak.
 """
 
 from __future__ import annotations

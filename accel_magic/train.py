@@ -190,6 +190,9 @@ def check_launch(spec: Launch, plan: Plan, door: FrontDoor = CELL) -> None:
         )
 
 
+ROOT = Path("/")  # the machine's files, where the memory available is read
+
+
 def fit(objects: list[Any], plan: Plan, in_kernel: bool = False) -> tuple[str, str]:
     """Whether training `objects` (the notebook's models and optimizers the launch uses) under the plan fits in
     the memory available now: the sentence that says it will need more than there is (TrainError with it under
@@ -207,9 +210,6 @@ def fit(objects: list[Any], plan: Plan, in_kernel: bool = False) -> tuple[str, s
     return words, banner_line(footprint, available)
 
 
-ROOT = Path("/")
-
-
 def fit_in_kernel(code: CellCode, ns: Mapping[str, Any], plan: Plan) -> None:
     """Before a cell runs in the kernel: the sentence that says it will need more memory than is available (under
     --strict, TrainError with it)."""
@@ -224,8 +224,7 @@ def start(spec: Launch, plan: Plan, door: FrontDoor = CELL) -> None:
     what it will need in memory when that is more than half of what is available. `launch.run(spec)` runs it
     next."""
     check_launch(spec, plan, door)
-    uses = getattr(spec.body, "uses", None)
-    warning, memory_line = fit(uses() if uses is not None else [], plan)
+    warning, memory_line = fit(spec.body.uses(), plan)
     print("\n".join(filter(None, [door.banner or launch_banner(plan), memory_line, warning])))
 
 

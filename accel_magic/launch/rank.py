@@ -45,6 +45,7 @@ class RankBody(Protocol):
     def setup(self, rank: int) -> None: ...  # before the cell, in the group: e.g. a fresh accelerator
     def run(self) -> None: ...  # the user's cell
     def results(self, rank: int, folder: str) -> bytes | None: ...  # after it: what goes back to the kernel
+    def uses(self) -> list[Any]: ...  # in the kernel, before the launch: the models and optimizers it trains
 
 
 class NodeMismatch(RuntimeError):
