@@ -1,7 +1,8 @@
 """The troubleshooting page (docs/troubleshooting.md) holds every sentence the product can print when it refuses,
 falls back or fails, collected here from the code: the message of every error a user sees (the one-sentence
-errors of accel_magic.errors, IPython's UsageError, traitlets' TraitError, a node's NodeMismatch), every fallback
-of the plan ("<reason>, so <outcome>") and note, and every sentence of the functions that word a launch's end."""
+errors of accel_magic.errors, IPython's UsageError, traitlets' TraitError, a node's NodeMismatch, an interrupted
+launch's line), every fallback of the plan ("<reason>, so <outcome>") and note, and every sentence of the
+functions that word a launch's end or what it did instead of what was asked."""
 
 from __future__ import annotations
 
@@ -13,15 +14,18 @@ ROOT = Path(__file__).parents[2]
 PACKAGE = ROOT / "accel_magic"
 PAGE = ROOT / "docs" / "troubleshooting.md"
 # Errors whose message a user reads, beside accel_magic.errors' one-sentence ones.
-ERRORS = {"UsageError", "TraitError", "NodeMismatch"}
-# The functions that word how a launch ended (a failure, an interrupt, stuck ranks, memory, a rank's own
+ERRORS = {"UsageError", "TraitError", "NodeMismatch", "LaunchInterrupted"}
+# The functions that word how a launch ended (a failure, an interrupt, stuck ranks, memory, what did not come
+# back) or what it did instead of what was asked (gloo for a bucket, the launch's group for a rank's own
 # init_process_group): every sentence in them.
 WORDING = {
     "launch/outcome.py": {"interrupted_words", "abrupt", "failure_words"},
     "launch/places.py": {"stuck"},
     "launch/memory.py": {"killed_words"},
-    "launch/adopt.py": {"disagreement", "word_taken_port"},
+    "launch/adopt.py": {"disagreement", "word_taken_port", "adopt_init_process_group"},
+    "launch/shm.py": {"region"},
     "footprint.py": {"fit_words"},
+    "train.py": {"run_ranks", "bring_back", "results_interrupted"},
 }
 SHORTEST = 12  # characters: a shorter literal part names too little to be looked up
 PLACEHOLDER = "…"
