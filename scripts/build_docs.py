@@ -51,7 +51,7 @@ def executed(notebook: Path) -> Path:
     sys.path.insert(0, str(ROOT / "scripts"))
     from run_notebook import run
 
-    print(f"executing {notebook.name} (no test ran it since it changed)", flush=True)
+    print(f"executing {notebook.name} (the tests have not run it as it is now)", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         return save_executed(run(str(notebook), folder=folder), notebook)
 

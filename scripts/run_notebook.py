@@ -25,7 +25,11 @@ def cell_text(output: dict) -> str:
 
 
 def run(path: str, timeout: int = 300, folder: str | None = None) -> nbformat.NotebookNode:
-    """Execute in `folder`, by default the notebook's own, as Jupyter does."""
+    """Execute in `folder`, by default the notebook's own, as Jupyter does. The kernel finds this environment's
+    commands (`!accelerate launch`) as in an activated environment."""
+    commands = os.path.dirname(sys.executable)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != commands:
+        os.environ["PATH"] = commands + os.pathsep + os.environ.get("PATH", "")
     nb = nbformat.read(path, as_version=4)
     folder = folder or str(Path(path).resolve().parent)
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": folder}})
@@ -36,8 +40,6 @@ def run(path: str, timeout: int = 300, folder: str | None = None) -> nbformat.No
 
 
 def main(paths: list[str]) -> int:
-    # The kernel finds this environment's commands (`!accelerate launch`) as in an activated environment.
-    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     status = 0
     for path in paths:
         print(f"=== {path}")
