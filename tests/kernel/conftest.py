@@ -297,8 +297,8 @@ class LiveKernel:
         return "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in outputs)
 
     def value(self, expression: str, timeout: float = 120) -> str:
-        """The repr of an expression's value, from the cell's result alone: a line an earlier cell wrote late (a
-        warning of an import it interrupted) may reach the front end under this cell's request."""
+        """The repr of an expression's value (empty for None), from the cell's result alone: its printed lines may
+        hold one that an earlier, interrupted cell's code wrote late."""
         _, outputs = self.execute(expression, timeout)
         return "".join(o["data"]["text/plain"] for o in outputs if o["output_type"] == "execute_result")
 
