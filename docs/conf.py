@@ -11,6 +11,7 @@ release = version = accel_magic.__version__
 extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 exclude_patterns = ["_build", "**/.ipynb_checkpoints"]
 nitpicky = True  # every cross-reference must resolve
+smartquotes = False  # "--strict" stays two hyphens, as typed, not a dash
 nitpick_ignore_regex = [
     ("py:class", r"(torch|accelerate|ipywidgets|IPython|typing|collections)\..*"),
     ("py:class", r"accel_magic\.errors\.KeyboardInterrupt"),  # LaunchInterrupted's base, as notebooks name it
