@@ -137,11 +137,16 @@ def test_a_cells_own_communication_hook_is_kept_before_or_after_the_first_step(k
 
 
 def test_accelerates_gradient_sync_script_passes_with_shared_memory(kernel_run) -> None:
+    # The script's data are drawn afresh on each run (RegressionDataset's seed=None), and its check that the
+    # gradients differ before a step (rtol=1e-3) then fails by chance now and then (seen: -4.1038 and -4.1079):
+    # the same data, seed 0, on every run and rank.
     cells = kernel_run(
         SETUP,
         "%%accel_train -n 2 --no-return\n"
         "import glob, os\n"
+        "from accelerate.test_utils import RegressionDataset\n"
         "from accelerate.test_utils.scripts import test_sync\n"
+        "RegressionDataset.__init__.__defaults__ = (2, 3, 64, 0)\n"
         "test_sync.main()\n"
         "sizes = [os.path.getsize(p) for p in glob.glob('/dev/shm/accel_magic-*.grads')]\n"
         "print('SEGMENT', max(sizes) > 4096, os.environ['ACCEL_MAGIC_ALLREDUCE'])",
