@@ -6,8 +6,11 @@ import atexit
 import inspect
 import os
 import queue
+import shutil
 import sys
+import tempfile
 import time
+import uuid
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ from jupyter_client.asynchronous import AsyncKernelClient
 from jupyter_client.manager import AsyncKernelManager
 from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
-from traitlets import Type, default
+from traitlets import CaselessStrEnum, Type, default
 
 
 class Cells:
@@ -90,8 +93,22 @@ class PatientClient(AsyncKernelClient):
     control_channel_class = Type(PatientChannel)
 
 
+# Where the kernels' sockets are: files, not TCP ports. A port that jupyter_client finds free stays unclaimed
+# until the kernel binds it, seconds later (the warm kernel imports torch first); meanwhile the ranks of the test
+# that runs open sockets on ports of the same range, and a kernel whose port was taken died or never answered
+# (seen twice in a few thousand starts). Unix sockets under a folder of the suite's own cannot collide.
+SOCKETS = tempfile.mkdtemp(prefix="kernels-")
+atexit.register(shutil.rmtree, SOCKETS, ignore_errors=True)
+
+
 class PatientKernelManager(AsyncKernelManager):
-    """A kernel started by ipykernel's own start, its clients patient."""
+    """A kernel started by ipykernel's own start, on Unix sockets of its own (SOCKETS), its clients patient."""
+
+    transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc", config=True)
+
+    @default("ip")
+    def _own_sockets(self) -> str:
+        return os.path.join(SOCKETS, uuid.uuid4().hex[:12])
 
     @default("client_factory")
     def _patient_client(self) -> type[PatientClient]:
@@ -173,9 +190,9 @@ ANSWER = 30  # seconds a warm kernel may take to answer its first request (about
 
 
 def answers(km: AsyncKernelManager) -> bool:
-    """Whether the kernel answers a kernel_info request within ANSWER s. Now and then (once in some thousand
-    starts here, on ipykernel 6.17) a kernel that started answers none, before it ran any code of this project:
-    the test then gets another kernel rather than failing after nbclient's 60 s, and pytest's warnings say so."""
+    """Whether the kernel answers a kernel_info request within ANSWER s. A kernel that answers none never ran any
+    code of this project (seen twice on TCP ports, before SOCKETS): the test then gets another kernel rather
+    than failing after nbclient's 60 s, and pytest's warnings say so."""
     kc = km.client()
     kc.start_channels()
     try:
