@@ -44,6 +44,11 @@ __all__ = ["CellBody", "FrontDoor", "run_in_kernel", "plan_nodes", "describe", "
            "launch_plan", "bring_back", "results_interrupted", "run_ranks"]  # fmt: skip
 
 _MISSING = object()
+# What DDP and accelerate's `prepare` import in a rank (torch._dynamo, DTensor: 440 to 880 modules, 1 to 1.7 s of
+# CPU in every rank of every launch here): imported by the kernel before its second launch forks, and inherited by
+# the ranks of every launch after. Only where no GPU or TPU is seen: a kernel that has touched CUDA can no longer
+# fork ranks that use it, and what these modules touch as they load was not watched on a GPU.
+PRELOAD = ("torch.distributed.tensor", "torch._dynamo")
 
 
 class CellBody:
@@ -164,6 +169,7 @@ def describe(
         max_restarts=plan.max_restarts,
         versions=versions_line,
         memory_limit=(plan.runtime.ram_bytes, plan.runtime.ram_limit) if plan.runtime.ram_bytes else None,
+        preload=PRELOAD if plan.launch == "fork" and not (plan.runtime.gpus or plan.runtime.tpu) else (),
     )
     if plan.num_nodes > 1:
         port = parse_endpoint(plan.rdzv_endpoint)[1]

@@ -3,7 +3,10 @@ ended. One launch, start to finish; each step lives in a module of its own (see 
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +36,7 @@ from .spec import Hooks, Launch, Ranks, Results
 from .workdir import Workdir
 
 JUDGE_EVERY = 0.25  # seconds between two looks at the ranks' places (whether they can still meet)
+_launches = 0  # launches this process has started: the ranks' preload waits for the second
 
 __all__ = [
     "run",
@@ -81,6 +85,7 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
     outcome interrupted. In another thread (a background launch), setting `hooks.stop` does, and
     `hooks.watch(relay)` sees which ranks have started and ended after every poll; the ranks then leave the
     kernel's process group, so the kernel's interrupts reach only the kernel."""
+    global _launches
     nprocs, nodes, port, hooks = spec.ranks.num_processes, spec.nodes, spec.port, spec.hooks
     first = spec.first_rank
     outcome = LaunchOutcome(nprocs, first, nodes.count, nodes.endpoint(port or 0) if nodes.count > 1 else "")
@@ -112,6 +117,9 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
     interrupts = Interrupts.hold(hooks.stop)
     kills = memory.oom_kills()
     try:
+        if _launches and not background:  # an interrupt meanwhile is held, and stops the launch before it forks
+            _preload(spec.ranks.preload)
+        _launches += 1
         workdir = Workdir(spec.results.max_bytes)
         pipes = Pipes.open(nprocs)
         places = Places(nprocs)
@@ -198,6 +206,17 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
         finally:
             interrupts.release()  # the kernel's own handler again
     return outcome
+
+
+def _preload(names: tuple[str, ...]) -> None:
+    """Import `names` here, once, so that the ranks of every later launch inherit them: from the second launch
+    on (a kernel that launches once pays nothing for it), in the kernel's main thread (never beside the
+    notebook's own cells). A module that cannot be imported is left to the rank that needs it, which reports
+    what went wrong in its own words."""
+    for name in names:
+        if name not in sys.modules:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
 
 
 def _places(places: Places, relay: Relay, first: int) -> dict[int, Place]:

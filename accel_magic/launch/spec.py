@@ -24,7 +24,8 @@ class Ranks:
     carries. `group=False`: the body makes its own process group (torch's spawn), and each rank sees the
     kernel's environment with `env`, without what torch's agent sets for the group it would have made.
     `memory_limit`: the memory the kernel and its ranks may use (bytes, and where that comes from: "cgroup v2",
-    "cgroup v1" or "machine"), for the words of a rank the out-of-memory killer ends."""
+    "cgroup v1" or "machine"), for the words of a rank the out-of-memory killer ends. `preload`: modules the
+    kernel imports before it forks the ranks, which then inherit them instead of each importing them anew."""
 
     num_processes: int
     backend: str = "gloo"
@@ -36,6 +37,7 @@ class Ranks:
     versions: Callable[[], str] = str
     group: bool = True
     memory_limit: tuple[int, str] | None = None
+    preload: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

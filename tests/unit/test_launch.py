@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -329,3 +330,22 @@ def test_a_fork_waits_for_a_store_call_of_the_kernel_in_flight() -> None:
     finally:
         relay.released.set()
         relay.listener.close()
+
+
+def test_the_ranks_preload_is_what_ddp_imports_on_cpu_and_nothing_where_a_gpu_is_seen() -> None:
+    from accel_magic.plan import Request, make_plan
+    from accel_magic.runtime import GPU, Runtime
+    from accel_magic.train import PRELOAD, describe
+
+    cpu = make_plan(Runtime(cpu_count=4, cpu_budget=4), Request(num_processes=2))
+    gpus = Runtime(
+        cpu_count=4, cpu_budget=4, gpus=(GPU(0, "Tesla T4", 15360, (7, 5)), GPU(1, "Tesla T4", 15360, (7, 5)))
+    )
+    on_gpus = make_plan(gpus, Request(num_processes=2))
+    in_kernel = make_plan(Runtime(cpu_count=4, cpu_budget=4), Request(num_processes=1))
+    assert (cpu.launch, on_gpus.launch, on_gpus.device, in_kernel.launch) == ("fork", "fork", "cuda", "kernel")
+    body: Any = None  # what the ranks run plays no part here
+    assert describe(body, cpu, filename="", port=None).ranks.preload == PRELOAD
+    assert "torch._dynamo" in PRELOAD
+    assert describe(body, on_gpus, filename="", port=None).ranks.preload == ()
+    assert describe(body, in_kernel, filename="", port=None).ranks.preload == ()
