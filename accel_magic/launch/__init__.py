@@ -117,9 +117,6 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
     interrupts = Interrupts.hold(hooks.stop)
     kills = memory.oom_kills()
     try:
-        if _launches and not background:  # an interrupt meanwhile is held, and stops the launch before it forks
-            _preload(spec.ranks.preload)
-        _launches += 1
         workdir = Workdir(spec.results.max_bytes)
         pipes = Pipes.open(nprocs)
         places = Places(nprocs)
@@ -133,6 +130,9 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
         program = RankProgram(spec, env, pipes, workdir, port, places, detach=background)
         relay = Relay(pipes, hooks.on_text, hooks.on_message, first)
         with kernel_state_kept(all_env=not background):
+            if _launches and not background:  # an interrupt meanwhile is held, and stops the launch before it forks
+                _preload(spec.ranks.preload)  # what the imports set in the environment is put back after the launch
+            _launches += 1
             logs = os.path.join(workdir.path, "logs")
             config = elastic.launch_config(nprocs, port, logs, hooks.monitor_interval, fd, nodes)
 
