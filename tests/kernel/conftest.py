@@ -95,8 +95,9 @@ class PatientClient(AsyncKernelClient):
 
 # Where the kernels' sockets are: files, not TCP ports. A port that jupyter_client finds free stays unclaimed
 # until the kernel binds it, seconds later (the warm kernel imports torch first); meanwhile the ranks of the test
-# that runs open sockets on ports of the same range, and a kernel whose port was taken died or never answered
-# (seen twice in a few thousand starts). Unix sockets under a folder of the suite's own cannot collide.
+# that runs open sockets on ports of the same range. Twice in a few thousand starts, a kernel started beside a
+# launch died or never answered, most likely because a port it was given had been taken (what it printed did not
+# say). Unix sockets under a folder of the suite's own cannot collide.
 SOCKETS = tempfile.mkdtemp(prefix="kernels-")
 atexit.register(shutil.rmtree, SOCKETS, ignore_errors=True)
 
