@@ -45,9 +45,10 @@ __all__ = ["CellBody", "FrontDoor", "run_in_kernel", "plan_nodes", "describe", "
 
 _MISSING = object()
 # What DDP and accelerate's `prepare` import in a rank (torch._dynamo, DTensor: 440 to 880 modules, 1 to 1.7 s of
-# CPU in every rank of every launch here): imported by the kernel before its second launch forks, and inherited by
-# the ranks of every launch after. Only where no GPU or TPU is seen: a kernel that has touched CUDA can no longer
-# fork ranks that use it, and what these modules touch as they load was not watched on a GPU.
+# CPU in every rank of every launch here): once a launch's ranks imported them, the kernel imports them before the
+# next launch forks, and the ranks of every launch after inherit them. Only where no GPU or TPU is seen: a kernel
+# that has touched CUDA can no longer fork ranks that use it, and what these modules touch as they load was not
+# watched on a GPU.
 PRELOAD = ("torch.distributed.tensor", "torch._dynamo")
 
 

@@ -36,7 +36,7 @@ from .spec import Hooks, Launch, Ranks, Results
 from .workdir import Workdir
 
 JUDGE_EVERY = 0.25  # seconds between two looks at the ranks' places (whether they can still meet)
-_launches = 0  # launches this process has started: the ranks' preload waits for the second
+_imported: set[str] = set()  # modules of a launch's preload that its ranks imported: the kernel imports them next
 
 __all__ = [
     "run",
@@ -85,7 +85,6 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
     outcome interrupted. In another thread (a background launch), setting `hooks.stop` does, and
     `hooks.watch(relay)` sees which ranks have started and ended after every poll; the ranks then leave the
     kernel's process group, so the kernel's interrupts reach only the kernel."""
-    global _launches
     nprocs, nodes, port, hooks = spec.ranks.num_processes, spec.nodes, spec.port, spec.hooks
     first = spec.first_rank
     outcome = LaunchOutcome(nprocs, first, nodes.count, nodes.endpoint(port or 0) if nodes.count > 1 else "")
@@ -130,9 +129,8 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
         program = RankProgram(spec, env, pipes, workdir, port, places, detach=background)
         relay = Relay(pipes, hooks.on_text, hooks.on_message, first)
         with kernel_state_kept(all_env=not background):
-            if _launches and not background:  # an interrupt meanwhile is held, and stops the launch before it forks
-                _preload(spec.ranks.preload)  # what the imports set in the environment is put back after the launch
-            _launches += 1
+            if not background:  # an interrupt meanwhile is held, and stops the launch before it forks
+                _preload([n for n in spec.ranks.preload if n in _imported])  # the environment is put back after
             logs = os.path.join(workdir.path, "logs")
             config = elastic.launch_config(nprocs, port, logs, hooks.monitor_interval, fd, nodes)
 
@@ -197,6 +195,7 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
             if workdir is not None:
                 try:
                     collect(outcome, {r: workdir.records(r) for r in outcome.ranks})
+                    _imported.update((workdir.read("status", first) or {}).get("imported", ()))
                     if outcome.ok and spec.results.receive is not None:
                         _receive(outcome, workdir, spec.results.receive)
                 finally:
@@ -208,11 +207,11 @@ def _start(spec: Launch, env: dict[str, str]) -> LaunchOutcome:
     return outcome
 
 
-def _preload(names: tuple[str, ...]) -> None:
-    """Import `names` here, once, so that the ranks of every later launch inherit them: from the second launch
-    on (a kernel that launches once pays nothing for it), in the kernel's main thread (never beside the
-    notebook's own cells). A module that cannot be imported is left to the rank that needs it, which reports
-    what went wrong in its own words."""
+def _preload(names: list[str]) -> None:
+    """Import `names` here, once, so that the ranks of every later launch inherit them: the modules of the
+    preload that an earlier launch's ranks imported (a kernel whose cells never needed them pays nothing), in
+    the kernel's main thread (never beside the notebook's own cells). A module that cannot be imported is left
+    to the rank that needs it, which reports what went wrong in its own words."""
     for name in names:
         if name not in sys.modules:
             with contextlib.suppress(Exception):

@@ -189,7 +189,8 @@ class RankProgram:
             payload = self.body.results(local, self.workdir.results)
             if payload is not None:
                 self.workdir.write_bytes("results", rank, payload)
-            self.workdir.write("status", rank, {"duration": time.time() - start})
+            imported = [name for name in self.ranks.preload if name in sys.modules]
+            self.workdir.write("status", rank, {"duration": time.time() - start, "imported": imported})
             exit_code = 0
         except SystemExit as exc:
             if phase != "cell":  # not the cell's own exit: this machinery's failure

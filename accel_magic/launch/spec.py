@@ -25,7 +25,8 @@ class Ranks:
     kernel's environment with `env`, without what torch's agent sets for the group it would have made.
     `memory_limit`: the memory the kernel and its ranks may use (bytes, and where that comes from: "cgroup v2",
     "cgroup v1" or "machine"), for the words of a rank the out-of-memory killer ends. `preload`: modules the
-    kernel imports before it forks the ranks, which then inherit them instead of each importing them anew."""
+    kernel imports before it forks the ranks once an earlier launch's ranks imported them, so that the ranks
+    inherit them instead of each importing them anew."""
 
     num_processes: int
     backend: str = "gloo"

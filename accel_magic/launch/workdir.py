@@ -16,7 +16,7 @@ __all__ = ["RecordKind", "Workdir"]
 
 RecordKind = Literal[
     "started",  # the rank's pid, written first
-    "status",  # {"duration": seconds}: the rank ended well
+    "status",  # {"duration": seconds, "imported": the modules of Ranks.preload it had}: the rank ended well
     "error",  # a RankFailure
     "results",  # rank 0's results manifest (bytes, as the rank's body made them)
 ]

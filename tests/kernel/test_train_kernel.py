@@ -64,23 +64,25 @@ def test_ranks_form_one_gloo_group_train_ddp_and_results_come_back(kernel_run) -
 
 
 def test_the_ranks_inherit_what_ddp_imports_from_the_kernel_after_its_first_launch(kernel_run) -> None:
-    # DDP and accelerate's prepare import torch._dynamo and DTensor (hundreds of modules) in each rank; from its
-    # second launch on, the kernel imports them before it forks, and no rank imports them itself
+    # DDP and accelerate's prepare import torch._dynamo and DTensor (hundreds of modules) in each rank; once a
+    # launch's ranks did, the kernel imports them before the next launch forks, and no rank imports them itself;
+    # a launch whose ranks never imported them (x = 1) leaves the kernel without them
     step = (
         "%%accel_train -n 2\nimport sys, torch\nbefore = set(sys.modules)\n"
         "model = accelerator.prepare(torch.nn.Linear(4, 4))\nmodel(torch.ones(2, 4)).sum().backward()\n"
         "new = sorted(set(sys.modules) - before)\nprint(len(new), new[:5], flush=True)"
     )
     kernel_has = "import sys\nprint('torch._dynamo' in sys.modules)"
-    cells = kernel_run(SETUP, step, kernel_has, step, step, kernel_has)
+    cells = kernel_run(SETUP, "%%accel_train -n 2\nx = 1", kernel_has, step, kernel_has, step, step, kernel_has)
     imported = [
-        [int(n) for n in re.findall(r"^(?:\[rank 1\] )?(\d+) \[", cells.text(cell), re.MULTILINE)] for cell in (1, 3, 4)
+        [int(n) for n in re.findall(r"^(?:\[rank 1\] )?(\d+) \[", cells.text(cell), re.MULTILINE)] for cell in (3, 5, 6)
     ]
-    assert len(imported[0]) == 2 and min(imported[0]) > 100, cells.text(1)  # 440 to 880 here
     assert cells.text(2).strip() == "False"
-    for counts, cell in zip(imported[1:], (3, 4), strict=True):
+    assert len(imported[0]) == 2 and min(imported[0]) > 100, cells.text(3)  # 440 to 880 here
+    assert cells.text(4).strip() == "False"
+    for counts, cell in zip(imported[1:], (5, 6), strict=True):
         assert len(counts) == 2 and max(counts) < 20, cells.text(cell)
-    assert cells.text(5).strip() == "True"
+    assert cells.text(7).strip() == "True"
 
 
 def test_cell_sees_notebook_variables_and_runs_magics_and_shell_lines(kernel_run) -> None:
