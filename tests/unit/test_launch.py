@@ -18,7 +18,9 @@ import accel_magic
 from accel_magic.launch import elastic, rank
 from accel_magic.launch.outcome import LaunchOutcome, RankFailure
 from accel_magic.launch.ports import check_port, listener
-from accel_magic.train import launch_error
+from accel_magic.plan import Request, make_plan
+from accel_magic.runtime import GPU, Runtime
+from accel_magic.train import PRELOAD, describe, launch_error
 
 REPO = Path(accel_magic.__file__).resolve().parents[1]
 
@@ -333,10 +335,6 @@ def test_a_fork_waits_for_a_store_call_of_the_kernel_in_flight() -> None:
 
 
 def test_the_ranks_preload_is_what_ddp_imports_on_cpu_and_nothing_where_a_gpu_is_seen() -> None:
-    from accel_magic.plan import Request, make_plan
-    from accel_magic.runtime import GPU, Runtime
-    from accel_magic.train import PRELOAD, describe
-
     cpu = make_plan(Runtime(cpu_count=4, cpu_budget=4), Request(num_processes=2))
     gpus = Runtime(
         cpu_count=4, cpu_budget=4, gpus=(GPU(0, "Tesla T4", 15360, (7, 5)), GPU(1, "Tesla T4", 15360, (7, 5)))
