@@ -32,12 +32,13 @@ def _root(max_bytes: int) -> str | None:
 
 
 class Workdir:
-    """A 0700 folder with an unguessable name, made for one launch and removed after it. Ranks inherit it
-    through fork; `results` is the folder rank 0 writes its result files into; `segment` is where the ranks may
-    make the launch's shared-memory segment (under /dev/shm, named after the folder), which goes with it."""
+    """A 0700 folder with an unguessable name that starts with the kernel's pid (`accel_magic-PID-...`: whose
+    it is, were one ever left), made for one launch and removed after it. Ranks inherit it through fork;
+    `results` is the folder rank 0 writes its result files into; `segment` is where the ranks may make the
+    launch's shared-memory segment (under /dev/shm, named after the folder), which goes with it."""
 
     def __init__(self, max_bytes: int = 0) -> None:
-        self.path = tempfile.mkdtemp(prefix="accel_magic-", dir=_root(max_bytes))
+        self.path = tempfile.mkdtemp(prefix=f"accel_magic-{os.getpid()}-", dir=_root(max_bytes))
         self.results = os.path.join(self.path, "results")
         os.mkdir(self.results, 0o700)
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else self.path

@@ -8,7 +8,8 @@ import glob
 import time
 
 SETUP = "%load_ext accel_magic"
-SEGMENTS = "import glob\nsegments = lambda: sorted(glob.glob('/dev/shm/accel_magic-*.grads'))\nbefore = segments()"
+# the segments of this kernel's launches (named after the kernel's pid), whatever other programs make meanwhile
+SEGMENTS = "import glob, os\nsegments = lambda: sorted(glob.glob(f'/dev/shm/accel_magic-{os.getpid()}-*.grads'))\nbefore = segments()"
 
 # A small MLP, each rank on its own data; what DDP's hook is and the segment's size are printed by rank 0 (or every
 # rank), and the weights come back to the notebook.
@@ -84,7 +85,7 @@ def test_a_rank_killed_while_the_other_waits_ends_the_launch_naming_it_and_leave
 
 def test_an_interrupt_while_ranks_average_leaves_no_segment(live_kernel) -> None:
     live_kernel.execute(SETUP)
-    before = set(glob.glob("/dev/shm/accel_magic-*.grads"))  # other programs'
+    kernels = f"/dev/shm/accel_magic-{live_kernel.km.provisioner.process.pid}-*.grads"  # its launches' segments
     msg_id = live_kernel.send(
         "%%accel_train -n 2\nimport torch\nnet = torch.nn.Linear(256, 256)\nnet = accelerator.prepare(net)\n"
         "print('TRAINING', flush=True)\nwhile True:\n    net(torch.randn(8, 256)).sum().backward()"
@@ -95,12 +96,11 @@ def test_an_interrupt_while_ranks_average_leaves_no_segment(live_kernel) -> None
         if msg["msg_type"] == "stream" and "TRAINING" in msg["content"]["text"]:
             break
     time.sleep(1)
-    ours = set(glob.glob("/dev/shm/accel_magic-*.grads")) - before  # the launch's segment, while it runs
-    assert len(ours) == 1
+    assert len(glob.glob(kernels)) == 1  # the launch's segment, while it runs
     live_kernel.km.interrupt_kernel()
     reply, _ = live_kernel.collect(msg_id, timeout=60)
     assert reply["ename"] == "KeyboardInterrupt"
-    assert not ours & set(glob.glob("/dev/shm/accel_magic-*.grads"))
+    assert not glob.glob(kernels)
 
 
 def test_a_cells_own_communication_hook_is_kept_before_or_after_the_first_step(kernel_run) -> None:
@@ -148,7 +148,7 @@ def test_accelerates_gradient_sync_script_passes_with_shared_memory(kernel_run) 
         "from accelerate.test_utils.scripts import test_sync\n"
         "RegressionDataset.__init__.__defaults__ = (2, 3, 64, 0)\n"
         "test_sync.main()\n"
-        "sizes = [os.path.getsize(p) for p in glob.glob('/dev/shm/accel_magic-*.grads')]\n"
+        "sizes = [os.path.getsize(p) for p in glob.glob(f'/dev/shm/accel_magic-{os.getppid()}-*.grads')]\n"
         "print('SEGMENT', max(sizes) > 4096, os.environ['ACCEL_MAGIC_ALLREDUCE'])",
         allow_errors=True,
         timeout=600,

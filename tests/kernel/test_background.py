@@ -20,7 +20,7 @@ def leftovers():
     return (me.children(recursive=True),
             [c.laddr for c in (getattr(me, 'net_connections', None) or me.connections)() if c.status == 'LISTEN'],
             sorted(glob.glob(tempfile.gettempdir() + '/torchelastic_*') + glob.glob(tempfile.gettempdir() + '/accel_magic-*')
-                   + glob.glob('/dev/shm/accel_magic-*')))
+                   + glob.glob(f'/dev/shm/accel_magic-{os.getpid()}-*')))
 before = leftovers()  # the kernel's own sockets
 def settled(within=10.0):
     # what the launches left behind: no child, no other listening socket, no folder
@@ -228,13 +228,13 @@ def test_one_process_runs_in_the_background_and_rank_0s_bar_goes_into_the_widget
 def test_a_kernel_that_ends_or_an_unloaded_extension_leaves_nothing_running(live_kernel, private_tmpdir, how) -> None:
     """A kernel killed outright (SIGKILL) cannot clean up: its ranks still end with it, its files stay."""
     k = live_kernel
-    segments = set(glob.glob("/dev/shm/accel_magic-*.grads"))  # other programs'
+    kernels = f"/dev/shm/accel_magic-{k.km.provisioner.process.pid}-*.grads"  # this kernel's launches' segments
     k.execute(SETUP)
     k.execute(TRAIN.format(seconds=600))  # a DDP model: its gradients go through a shared-memory segment
     wait_for(k, "accel_result.last_line[1].startswith('loss')")
     pids = eval(k.text("print(list(accel_result.pids.values()))"))
     assert len(pids) == 2 and glob.glob(os.path.join(private_tmpdir, "accel_magic-*"))
-    ours = set(glob.glob("/dev/shm/accel_magic-*.grads")) - segments
+    ours = set(glob.glob(kernels))
     assert len(ours) == 1
     if how == "unload":
         k.execute("%unload_ext accel_magic")
@@ -255,7 +255,7 @@ def test_a_kernel_that_ends_or_an_unloaded_extension_leaves_nothing_running(live
         return
     assert not glob.glob(os.path.join(private_tmpdir, "accel_magic-*"))
     assert not glob.glob(os.path.join(private_tmpdir, "torchelastic_*"))
-    assert not ours & set(glob.glob("/dev/shm/accel_magic-*.grads"))
+    assert not glob.glob(kernels)
 
 
 def test_a_short_cells_results_are_never_lost_whether_it_ended_before_returning_or_after(live_kernel) -> None:
