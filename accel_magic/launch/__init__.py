@@ -260,10 +260,17 @@ def _exchange(peers: Peers, relay: Relay, workdir: Workdir, ours: Callable[[], l
         return
     if peers.told:
         return
-    for rank, (code, _) in sorted(relay.ended.items(), key=lambda item: item[1][1]):
-        error = workdir.records(rank).error if code else None
-        if code and (error is None or error.kind != "collateral"):
-            peers.tell(f"rank {rank}: {error.summary}" if error else f"rank {rank} ended with exit code {code}")
+    # the ranks seen to end first, by when; then any other that recorded its failure (its end may not have been
+    # seen: the agent reaps a rank, and may end the launch, before this thread looks)
+    ended = [rank for rank, _ in sorted(relay.ended.items(), key=lambda item: item[1][1])]
+    for rank in ended + sorted(set(relay.started) - set(ended)):
+        code = relay.ended[rank][0] if rank in relay.ended else None  # None: not seen to end
+        error = workdir.read("error", rank) if code != 0 else None
+        if error is not None and error.kind != "collateral":
+            peers.tell(f"rank {rank}: {error.summary}")
+            return
+        if error is None and code:
+            peers.tell(f"rank {rank} ended with exit code {code}")
             return
 
 

@@ -115,9 +115,12 @@ class LaunchOutcome:
 
         # A rank the out-of-memory killer ended, else the first to fail, by the time its record was written or its
         # process was seen to end (a killed rank's exit may be seen after the others were stopped for it); errors
-        # that a dead peer caused come last whatever their time, and so do ends nobody saw.
-        def key(f: RankFailure) -> tuple[bool, bool, bool, float, int]:
-            return (f.kind != "memory", f.kind == "collateral", f.when is None, f.when or 0.0, f.rank)
+        # that a dead peer caused come last whatever their time, then ranks that ended by SIGTERM or without a
+        # record or an exit code that says why (as the launch stops the others once one failed), then ends nobody
+        # saw.
+        def key(f: RankFailure) -> tuple[bool, bool, bool, bool, float, int]:
+            stopped = f.kind == "signal" and f.exitcode in (None, 0, -signal.SIGTERM)
+            return (f.kind != "memory", f.kind == "collateral", stopped, f.when is None, f.when or 0.0, f.rank)
 
         return min(self.failures, key=key)
 

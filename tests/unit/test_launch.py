@@ -347,3 +347,34 @@ def test_the_ranks_preload_is_what_ddp_imports_on_cpu_and_nothing_where_a_gpu_is
     assert "torch._dynamo" in PRELOAD
     assert describe(body, on_gpus, filename="", port=None).ranks.preload == ()
     assert describe(body, in_kernel, filename="", port=None).ranks.preload == ()
+
+
+def test_across_machines_a_ranks_own_failure_is_told_to_the_others_though_its_end_was_not_seen() -> None:
+    """The agent may reap a failed rank and end the launch before the kernel's thread looks at the rank's end:
+    the failure it recorded is still told to the other nodes through node 0's store (a real TCP store)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from accel_magic.launch import _exchange
+    from accel_magic.launch.elastic import Nodes
+    from accel_magic.launch.peers import Peers
+    from accel_magic.launch.relay import Pipes, Relay
+    from accel_magic.launch.workdir import Workdir
+
+    served = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    pipes, workdir = Pipes.open(1), Workdir()
+    relay = Relay(pipes, lambda *_: None, lambda _: None, first_rank=1)
+    try:
+        peers = Peers(Nodes(count=2, rank=1), served.port, "tell-test")
+        relay.started[1] = os.getpid()  # it said hello; its end was never seen
+        _exchange(peers, relay, workdir, list, None)
+        assert not peers.told  # still running, no failure recorded
+        workdir.write("error", 1, RankFailure(1, 1, "exception", "ValueError: bad batch", when=1.0))
+        _exchange(peers, relay, workdir, list, None)
+        assert peers.told and served.get(peers.key) == b"rank 1: ValueError: bad batch"
+        peers.close()
+    finally:
+        relay.close()
+        pipes.close()
+        workdir.remove()

@@ -51,7 +51,16 @@ def test_a_rank_the_out_of_memory_killer_ended_names_its_peak_the_limit_and_what
             "batch or bf16 mixed precision; the other ranks were stopped."
         )
     outcome = LaunchOutcome(2, exitcodes={0: -15, 1: -9}, ended=dict(ended), peaks={1: 2**31})
-    collect(outcome, records)  # no out-of-memory kill counted while it ran: the first end seen is the root
+    collect(outcome, records)  # no out-of-memory kill counted: rank 0's SIGTERM was the launch stopping it
+    assert str(launch_error(outcome, 900)) == (
+        "rank 1 was killed by SIGKILL (as the out-of-memory killer does); the other ranks were stopped."
+    )
+    # neither end seen (the agent reaped both first): rank 0, ended without a code that says why, was stopped
+    outcome = LaunchOutcome(2, exitcodes={0: 0, 1: -9})
+    collect(outcome, records)
+    assert str(launch_error(outcome, 900)).startswith("rank 1 was killed by SIGKILL")
+    outcome = LaunchOutcome(2, exitcodes={0: -15, 1: -15}, ended={0: (-15, 100.0), 1: (-15, 100.5)})
+    collect(outcome, records)  # every rank ended by SIGTERM: the first end seen is the root
     assert str(launch_error(outcome, 900)) == "rank 0 was killed by SIGTERM; the other ranks were stopped."
 
 
