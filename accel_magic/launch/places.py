@@ -165,6 +165,7 @@ class Sampler:
         self.stopped = threading.Event()
         self.key: tuple[Any, ...] = ()
         self.since = self.cpu = self.last = 0.0
+        self.known = False  # a place with a cell line or a collective was written
         self.thread = threading.Thread(target=self._run, name="accel_magic-places", daemon=True)
         self.thread.start()
 
@@ -186,8 +187,12 @@ class Sampler:
             self.key, self.since = key, now
         self.cpu, self.last = cpu, now
         place = Place("waits" if op and not busy else "cell", line, op, called, key[3], self.since)
-        if not self.stopped.is_set():
+        # Nowhere (no cell line, no collective) once it was somewhere: the thread left the cell (an exception on
+        # its way out, before `stop`), so the last place stays.
+        left = not line and not op and self.known
+        if not self.stopped.is_set() and not left:
             self.places.write(self.local, place)
+        self.known = self.known or bool(line or op)
         return place
 
     def stop(self) -> None:

@@ -132,11 +132,11 @@ def test_an_interrupt_a_timeout_and_a_background_job_name_each_ranks_place(live_
         "else:\n    while True: time.sleep(0.05)"
     )
     deadline = time.monotonic() + 60
-    places = ""
-    while "barrier" not in places and time.monotonic() < deadline:
+    places, both = "", "{0: 'in barrier at cell line 3', 1: 'at cell line 5'}"
+    while places.strip() != both and time.monotonic() < deadline:  # each rank's place once its sampler wrote it
         time.sleep(0.3)
         places = k.text("print(accel_result.places)")
-    assert places.strip() == "{0: 'in barrier at cell line 3', 1: 'at cell line 5'}", places
+    assert places.strip() == both, places
     table = ""  # the job's table shows the same places at its next refresh (jobs.REFRESH: half a second later)
     while "in barrier at cell line 3" not in table and time.monotonic() < deadline:
         time.sleep(0.3)

@@ -77,6 +77,22 @@ def test_a_sampler_writes_where_its_thread_is_and_done_when_the_cell_finished() 
     assert not sampler.thread.is_alive()
 
 
+def test_a_sampler_keeps_the_last_cell_line_once_its_thread_left_the_cell(monkeypatch) -> None:
+    # Between an exception leaving the cell's frame and Sampler.stop, a sample sees neither a cell line nor a
+    # collective: the slot keeps where the cell was, for the words of an interrupt or a stop.
+    monkeypatch.setattr(places, "EVERY", 60)  # only the samples taken here
+    shared = Places(1)
+    sampler = Sampler(shared, 0, CELL)
+    ns = {"sampler": sampler}
+    exec(compile("def cell():\n    return sampler.sample()\n", CELL, "exec"), ns)
+    assert ns["cell"]().line == 2
+    assert sampler.sample().line == 0  # this frame is not the cell's
+    kept = shared.read(0)
+    assert kept is not None and (kept.state, kept.line, kept.called) == ("cell", 2, "sample")
+    sampler.stop()
+    sampler.thread.join(1)
+
+
 def test_a_thread_blocked_in_a_collective_waits_there_since_it_entered_and_a_busy_backward_does_not() -> None:
     shared = Places(1)
     entered, release = threading.Event(), threading.Event()
