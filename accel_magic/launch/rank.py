@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -93,9 +94,55 @@ def cell_traceback(err: BaseException, cell_filename: str) -> str:
 
 def interrupt_once(signum: int, frame: Any) -> None:
     """SIGINT in a rank: a KeyboardInterrupt where the cell is, once; the front end and the kernel may both send
-    one, and a second must not cut short the record of the first."""
+    one, and a second must not cut short the record of the first. Inside the hooks below, where Python would
+    only print it, the interrupt comes again a moment later instead."""
+    if _in_hooks(frame):
+        _deliver_later()
+        return
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+def _interrupt_again() -> None:
+    """The interrupt was raised where Python cannot raise, in a finalizer (pyzmq's `Frame.__del__` checks for
+    signals, on frames the rank inherited from the kernel), and only printed: it comes again in 10 ms, where the
+    rank runs. Python prints such an exception through both hooks below: the first one seen arms it again."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, interrupt_once)  # first: one that comes from now on is not lost either
+        _deliver_later()
+
+
+def _deliver_later() -> None:
+    threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+
+def _excepthook(etype: type[BaseException], value: BaseException, tb: Any) -> None:
+    """sys.excepthook in a rank: Python's own (the kernel's would show the rank's error as the cell's), an
+    interrupt not lost."""
+    if issubclass(etype, KeyboardInterrupt):
+        _interrupt_again()
+    else:
+        sys.__excepthook__(etype, value, tb)
+
+
+def _unraisablehook(unraisable: Any) -> None:
+    """sys.unraisablehook in a rank: an interrupt not lost, other exceptions printed as Python prints them."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        _interrupt_again()
+    else:
+        sys.__unraisablehook__(unraisable)
+
+
+def _in_hooks(frame: Any) -> bool:
+    """Whether `frame` runs in one of the hooks above, or in what they call."""
+    while frame is not None:
+        if frame.f_code in _HOOKS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_HOOKS = {f.__code__ for f in (_interrupt_again, _deliver_later, _excepthook, _unraisablehook)}
 
 
 def detach_from_kernel(kernel: int) -> None:
@@ -170,6 +217,7 @@ class RankProgram:
                 detach_from_kernel(self.kernel)
             memory.first_for_the_oom_killer()
             signal.signal(signal.SIGINT, interrupt_once)
+            sys.excepthook, sys.unraisablehook = _excepthook, _unraisablehook
             self.workdir.write("started", rank, os.getpid())
             self._redirect(local)
             if not self.ranks.group:  # as torch's spawn starts a process: the kernel's environment

@@ -208,6 +208,41 @@ def test_a_rank_turns_the_first_sigint_into_a_keyboardinterrupt_at_the_cell_line
     assert re.search(r"Cell line [23], in <module>", tb) and "interrupt_once" not in tb and "rank.py" not in tb
 
 
+@pytest.mark.parametrize("printed", ["KeyboardInterrupt", "ValueError, an interrupt coming meanwhile"])
+def test_an_interrupt_python_could_only_print_comes_again_a_moment_later_where_the_rank_runs(
+    monkeypatch, printed: str
+) -> None:
+    """Python prints an exception raised in a finalizer, or in sys.unraisablehook itself, and goes on: a rank's
+    interrupt that went there (the first case: in a finalizer; the second: while the hook printed another
+    finalizer's error) is raised again a moment after the hook returned."""
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    seen = []
+
+    def prints(unraisable: Any) -> None:  # Python's own hook, with the interrupt coming while it prints
+        os.kill(os.getpid(), signal.SIGINT)
+        seen.append(type(unraisable.exc_value).__name__)
+
+    monkeypatch.setattr(sys, "__unraisablehook__", prints)
+    saved = signal.signal(signal.SIGINT, rank.interrupt_once)
+    returned = False
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if printed == "KeyboardInterrupt":
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # as interrupt_once left it, raising in the finalizer
+                rank._unraisablehook(SimpleNamespace(exc_value=KeyboardInterrupt()))
+            else:
+                rank._unraisablehook(SimpleNamespace(exc_value=ValueError("in a finalizer")))
+            returned = True
+            time.sleep(5)
+        assert returned and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert seen == ([] if printed == "KeyboardInterrupt" else ["ValueError"])
+    finally:
+        signal.signal(signal.SIGINT, saved)
+
+
 def test_the_kernels_interrupts_are_counted_while_held_and_raised_again_after() -> None:
     import signal
     import time
