@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import inspect
 import os
 import queue
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -18,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import nbformat
+import psutil
 import pytest
 from jupyter_client.asynchronous import AsyncKernelClient
 from jupyter_client.manager import AsyncKernelManager
 from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
+from nbclient.exceptions import CellTimeoutError
 from traitlets import CaselessStrEnum, Type, default
 
 
@@ -160,7 +165,8 @@ class SpareKernels:
         """`item` runs now; start the kernel of `following` in `tmpdir`, its folder to be."""
         self.current, self.warm = item.nodeid, _warm(item)
         self.discard(keep=item.nodeid)
-        if following is not None and _warm(following):
+        shared = shares(following) and (SHARED.serves(following) or shares(item) and same_module(item, following))
+        if following is not None and _warm(following) and not shared:
             env = {**os.environ, "TMPDIR": str(tmpdir)}
             self.spares[following.nodeid] = Spare(start_kernel(env), env, os.getcwd())
             self.tmpdirs[following.nodeid] = tmpdir
@@ -214,22 +220,145 @@ SPARES = SpareKernels()
 atexit.register(SPARES.discard)
 
 
-def run_cells(*sources: str, timeout: int = 300, allow_errors: bool = False) -> Cells:
+def _execute(km: AsyncKernelManager | None, sources: tuple[str, ...], timeout: int, allow_errors: bool) -> Cells:
+    """Run the cells as a notebook of their own in `km` (None: in a kernel nbclient starts and shuts down)."""
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
-    km = SPARES.take()
     options = {"timeout": timeout, "allow_errors": allow_errors, "kernel_manager_class": PatientKernelManager}
     client = NotebookClient(nb, km=km, kernel_name="python3", **options)
     # a cell's last outputs may trail its reply on a busy machine: wait for them, and fail rather than lose them
     client.iopub_timeout, client.raise_on_iopub_timeout = 30, True
     try:
         client.execute()
+    except CellTimeoutError as err:
+        if km is None:  # nbclient's own kernel, shut down already
+            raise
+        raise AssertionError(f"{err}\nWhat the kernel and its processes were doing:\n{stacks(km)}") from None
     finally:
-        if km is not None:  # the client shuts down only the kernels it started
-            if client.kc is not None:
-                client.kc.stop_channels()
-            run_sync(km.shutdown_kernel)(now=True)
+        if km is not None and client.kc is not None:  # the client shuts down only the kernels it started
+            client.kc.stop_channels()
     return Cells(nb)
+
+
+def stacks(km: AsyncKernelManager) -> str:
+    """For a cell that never ended: each thread's Python stack in the kernel and every process under it
+    (py-spy), and each one's open files."""
+    spy = shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    try:
+        kernel = psutil.Process(km.provisioner.process.pid)
+        processes = [kernel, *kernel.children(recursive=True)]
+    except (AttributeError, psutil.Error) as err:
+        return f"(not found: {err!r})"
+    told = []
+    for process in processes:
+        try:
+            dump = subprocess.run([spy, "dump", "--pid", str(process.pid)], capture_output=True, text=True, timeout=60)
+            said = dump.stdout or dump.stderr
+        except (TypeError, OSError, subprocess.SubprocessError) as err:  # no py-spy in this environment
+            said = f"(no stack: {err!r})"
+        folder = f"/proc/{process.pid}/fd"
+        with contextlib.suppress(OSError):
+            files = {int(fd): os.readlink(os.path.join(folder, fd)) for fd in os.listdir(folder)}
+            said += f"open files: {dict(sorted(files.items()))}\n"
+        told.append(said)
+    return "\n".join(told)
+
+
+def run_cells(*sources: str, timeout: int = 300, allow_errors: bool = False) -> Cells:
+    """The cells run in a kernel of this test's own, shut down after them."""
+    km = SPARES.take()
+    try:
+        return _execute(km, sources, timeout, allow_errors)
+    finally:
+        if km is not None:
+            run_sync(km.shutdown_kernel)(now=True)
+
+
+# What a kernel shared by a module's tests keeps of itself between them: the environment and folder it started
+# with, written at its first use to a file of the suite's own.
+SNAPSHOT = """import json, os
+with open({path!r}, "w") as f:
+    json.dump({{"env": dict(os.environ), "cwd": os.getcwd()}}, f)
+del json, os, f
+"""
+
+# Between two tests, the shared kernel is put back as the next test expects a notebook it opens: the extension
+# unloaded (which ends a job left running), accelerate's shared state cleared, the environment and folder as
+# they were at its first use, and the namespace emptied. What a launch imported stays, as in a notebook.
+RESET = """%unload_ext accel_magic
+import json, os, sys
+if "accelerate.state" in sys.modules:
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+with open({path!r}) as f:
+    kept = json.load(f)
+os.environ.clear()
+os.environ.update(kept["env"])
+os.chdir(kept["cwd"])
+%reset -f
+"""
+
+
+class SharedKernel:
+    """The one kernel the tests of a module run their cells in, one after the other, as the cells of one notebook
+    run: a test gets a kernel of its own only when it is about a kernel's start or isolation (marked `own_kernel`
+    or `fresh_kernel`) or drives its kernel itself (`live_kernel`). A test that fails takes the kernel with it:
+    the next test starts another."""
+
+    def __init__(self) -> None:
+        self.module = ""
+        self.km: AsyncKernelManager | None = None
+        self.snapshot = os.path.join(SOCKETS, "shared-kernel.json")
+
+    def serves(self, item: pytest.Item) -> bool:
+        """Whether `item` will run its cells in the kernel running now."""
+        return self.km is not None and shares(item) and item.module.__name__ == self.module
+
+    def run(self, module: str, *sources: str, timeout: int = 300, allow_errors: bool = False) -> Cells:
+        if module != self.module:
+            self.close()
+        if self.km is None:
+            self.km, self.module = SPARES.take(), module
+            assert self.km is not None, "a shared kernel is a warm one"
+            _execute(self.km, (SNAPSHOT.format(path=self.snapshot),), timeout, False)
+        else:
+            _execute(self.km, (RESET.format(path=self.snapshot),), timeout, False)
+        return _execute(self.km, sources, timeout, allow_errors)
+
+    def close(self) -> None:
+        if self.km is not None:
+            run_sync(self.km.shutdown_kernel)(now=True)
+        self.km, self.module = None, ""
+
+
+def same_module(item: pytest.Item, other: pytest.Item | None) -> bool:
+    return other is not None and item.module.__name__ == other.module.__name__
+
+
+def shares(item: pytest.Item | None) -> bool:
+    """Whether a test's cells run in its module's shared kernel."""
+    if item is None:
+        return False
+    own = item.get_closest_marker("own_kernel") or item.get_closest_marker("fresh_kernel")
+    return "kernel_run" in getattr(item, "fixturenames", ()) and own is None
+
+
+SHARED = SharedKernel()
+atexit.register(SHARED.close)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    if outcome.get_result().failed and SHARED.serves(item):
+        SHARED.close()  # whatever the failure left in the kernel is not the next test's
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_kernel_ends() -> Any:
+    yield
+    SHARED.close()
 
 
 @pytest.fixture(autouse=True)
@@ -263,7 +392,10 @@ def environment_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def kernel_run():
+def kernel_run(request: pytest.FixtureRequest) -> Any:
+    """Runs cells as a notebook does: in the module's shared kernel, or in a kernel of the test's own."""
+    if shares(request.node):
+        return functools.partial(SHARED.run, request.node.module.__name__)
     return run_cells
 
 
@@ -320,7 +452,10 @@ class LiveKernel:
         comes while it handles the request outside IPython's run_cell (a few milliseconds before and after it)."""
         outputs = []
         while True:
-            msg = self.kc.get_iopub_msg(timeout=timeout)
+            try:
+                msg = self.kc.get_iopub_msg(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no end of the cell within {timeout} s; doing:\n{stacks(self.km)}") from None
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]

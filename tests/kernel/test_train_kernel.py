@@ -63,6 +63,7 @@ def test_ranks_form_one_gloo_group_train_ddp_and_results_come_back(kernel_run) -
     assert lines[3] == "LaunchOutcome True [(0, 0), (1, 0)]"
 
 
+@pytest.mark.own_kernel  # what the kernel imported before is what this is about
 def test_the_ranks_inherit_what_ddp_imports_from_the_kernel_once_a_launchs_ranks_imported_it(kernel_run) -> None:
     # DDP and accelerate's prepare import torch._dynamo and DTensor (hundreds of modules) in each rank; once a
     # launch's ranks did, the kernel imports them before the next launch forks, and no rank imports them itself;
