@@ -1,7 +1,8 @@
-"""A rank's own `torch.distributed.init_process_group(...)`. Where the launch made the group, the call adopts it
-as long as its arguments agree with it, instead of failing with "trying to initialize the default process group
-twice", and arguments that disagree end in one sentence naming the launch's values. Where the function makes its
-own group (torch's spawn), a MASTER_PORT that another program holds is said in one sentence."""
+"""A rank's own `torch.distributed.init_process_group(...)` and `destroy_process_group(...)`. Where the launch made
+the group, the call adopts it as long as its arguments agree with it, instead of failing with "trying to initialize
+the default process group twice", and arguments that disagree end in one sentence naming the launch's values.
+Where the function makes its own group (torch's spawn), a MASTER_PORT that another program holds is said in one
+sentence. A group the rank destroys is freed when the rank ends, never while its code runs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["adopt_init_process_group", "word_taken_port"]
+__all__ = ["adopt_init_process_group", "word_taken_port", "keep_destroyed_groups"]
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "xla", "undefined")
 
@@ -94,6 +95,33 @@ def word_taken_port() -> None:
             ) from None
 
     _replace(original, init_process_group)
+
+
+# The groups destroy_process_group ended in this process, referenced until it ends (os._exit frees nothing).
+KEPT: list[Any] = []
+
+
+def keep_destroyed_groups() -> None:
+    """From now on in this process, a group that destroy_process_group ends stays referenced until the process
+    ends. Otherwise DDP's reducer may hold its last reference, and free it with the GIL held when the function's
+    locals go: a gloo group's destructor waits for its threads, and one of them waits for the GIL to free the
+    tensor of a finished collective, forever (torch 2.10: PyTorch's DDP tutorial through mp.spawn hung at its
+    function's return in about one run of six)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.destroy_process_group
+    signature = inspect.signature(original)
+
+    def destroy_process_group(*args: Any, **kwargs: Any) -> None:
+        group = signature.bind(*args, **kwargs).arguments.get("group")
+        if group is None and dist.is_initialized():
+            group = dist.group.WORLD
+        if group is not None:
+            KEPT.append(group)
+        return original(*args, **kwargs)
+
+    _replace(original, destroy_process_group)
 
 
 def _free_port() -> int:

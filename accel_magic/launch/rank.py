@@ -16,7 +16,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from . import memory, shm
-from .adopt import adopt_init_process_group, word_taken_port
+from .adopt import adopt_init_process_group, keep_destroyed_groups, word_taken_port
 from .outcome import FailureKind, RankFailure
 from .places import Places, Sampler
 from .processes import REAL_EXIT
@@ -283,6 +283,7 @@ class RankProgram:
         import torch.distributed as dist
 
         torch.set_num_threads(self.ranks.threads)
+        keep_destroyed_groups()
         if not self.ranks.group:
             word_taken_port()
         else:
