@@ -233,7 +233,11 @@ def _execute(km: AsyncKernelManager | None, sources: tuple[str, ...], timeout: i
     except CellTimeoutError as err:
         if km is None:  # nbclient's own kernel, shut down already
             raise
-        raise AssertionError(f"{err}\nWhat the kernel and its processes were doing:\n{stacks(km)}") from None
+        printed = "".join(o.get("text", "") for cell in nb.cells for o in cell.get("outputs", []))[-4000:]
+        doing = stacks(km)
+        raise AssertionError(
+            f"{err}\nWhat the cells printed:\n{printed}\nWhat the kernel and its processes were doing:\n{doing}"
+        ) from None
     finally:
         if km is not None and client.kc is not None:  # the client shuts down only the kernels it started
             client.kc.stop_channels()
@@ -241,8 +245,8 @@ def _execute(km: AsyncKernelManager | None, sources: tuple[str, ...], timeout: i
 
 
 def stacks(km: AsyncKernelManager) -> str:
-    """For a cell that never ended: each thread's Python stack in the kernel and every process under it
-    (py-spy), and each one's open files."""
+    """For a cell that never ended: each thread's stack in the kernel and every process under it (py-spy, Python
+    and native frames), and each one's open files."""
     spy = shutil.which("py-spy", path=os.path.dirname(sys.executable))
     try:
         kernel = psutil.Process(km.provisioner.process.pid)
@@ -252,7 +256,8 @@ def stacks(km: AsyncKernelManager) -> str:
     told = []
     for process in processes:
         try:
-            dump = subprocess.run([spy, "dump", "--pid", str(process.pid)], capture_output=True, text=True, timeout=60)
+            command = [spy, "dump", "--native", "--pid", str(process.pid)]  # C++ frames too: where torch waits
+            dump = subprocess.run(command, capture_output=True, text=True, timeout=60)
             said = dump.stdout or dump.stderr
         except (TypeError, OSError, subprocess.SubprocessError) as err:  # no py-spy in this environment
             said = f"(no stack: {err!r})"
