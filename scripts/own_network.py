@@ -29,7 +29,10 @@ def own_network() -> str:
     if not sys.platform.startswith("linux"):
         return f"network namespaces are Linux's ({sys.platform} here)"
     libc = ctypes.CDLL(None, use_errno=True)
-    before = os.open("/proc/self/ns/net", os.O_RDONLY)
+    try:
+        before = os.open("/proc/self/ns/net", os.O_RDONLY)
+    except OSError as err:
+        return f"no network namespace to leave: {err}"
     try:
         if libc.unshare(CLONE_NEWNET) != 0:
             return f"unshare(CLONE_NEWNET) failed: {os.strerror(ctypes.get_errno())}"
