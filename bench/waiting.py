@@ -11,6 +11,7 @@ then within each (as systemd's cgroups do where their CPU controller is on). Bot
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -18,7 +19,13 @@ from allreduce import LOOP, NETS
 from common import TIMED_STEPS, Section, figures, med, run_cells, spread, verdict
 
 MLP = "MLP 128-1024-1024-10"
-BODY = LOOP.format(net=NETS[MLP].strip()) + TIMED_STEPS
+# The timed loop, and the CPU time each rank took over it (every thread of its process), printed by rank 0.
+BODY = (
+    LOOP.format(net=NETS[MLP].strip())
+    + TIMED_STEPS.replace("t0 = time.perf_counter()", "import os; c0 = sum(os.times()[:2]); t0 = time.perf_counter()")
+    + "\ncpu = accelerator.gather(torch.tensor([sum(os.times()[:2]) - c0]))\naccelerator.print(f'CPU {cpu.mean():.3f}')"
+)
+assert "c0 =" in BODY
 # The watcher asleep: its thread starts in every rank, as always, and samples once an hour.
 ASLEEP = "import accel_magic.launch.places as places\nplaces.EVERY, every = 3600.0, places.EVERY"
 AWAKE = "places.EVERY = every"
@@ -41,9 +48,19 @@ def scheduling() -> str:
     return f"Here: autogroup {autogroup}; this process's CPU cgroup `{cpu}`."
 
 
-def loaded(count: int, place: str, repeats: int) -> dict[str, list[float]]:
-    """Loop times of shm and gloo, alternated in one kernel, while `count` busy processes run: started by the
-    notebook ("notebook") or in another session ("session")."""
+def tally(keys: list[str], texts: list[str]) -> dict[str, dict[str, list[float]]]:
+    """Each key's loop times ("LOOP") and CPU time per rank ("CPU"), from the cells' texts in the same order."""
+    found: dict[str, dict[str, list[float]]] = {}
+    for key, text in zip(keys, texts, strict=True):
+        if key:
+            for tag in ("LOOP", "CPU"):
+                found.setdefault(key, {}).setdefault(tag, []).extend(figures(text, tag))
+    return found
+
+
+def loaded(count: int, place: str, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """shm and gloo, alternated in one kernel, while `count` busy processes run: started by the notebook
+    ("notebook"), or each in a session of its own ("session")."""
     launches = [f"%%accel_train -n 2 --allreduce {how} --no-return\n{BODY}" for _ in range(repeats) for how in HOWS]
     mine = count if place == "notebook" else 0
     start = (
@@ -59,10 +76,16 @@ def loaded(count: int, place: str, repeats: int) -> dict[str, list[float]]:
         for proc in procs:
             proc.kill()
             proc.wait()
-    found: dict[str, list[float]] = {}
-    for i, text in enumerate(texts):
-        found.setdefault(HOWS[i % 2], []).extend(figures(text, "LOOP"))
-    return found
+    return tally([HOWS[i % 2] for i in range(len(texts))], texts)
+
+
+def row(case: str, where: str, found: dict[str, list[float]], ratio: str = "") -> list[str]:
+    return [MLP, case, where, f"{med(found['LOOP']):.2f}", spread(found["LOOP"]), f"{med(found['CPU']):.2f}", ratio]
+
+
+def share(found: dict[str, list[float]]) -> float:
+    """The part of the machine's CPUs that the two ranks took over the loop."""
+    return 2 * med(found["CPU"]) / (med(found["LOOP"]) * len(os.sched_getaffinity(0)))
 
 
 def measure(repeats: int = 3) -> Section:
@@ -73,35 +96,41 @@ def measure(repeats: int = 3) -> Section:
     for _ in range(repeats):
         cells += [AWAKE, shm, ASLEEP, shm]
         order += ["", "watched", "", "asleep"]
-    texts = run_cells(cells)[2:]
-    cost: dict[str, list[float]] = {}
-    for key, text in zip(order, texts, strict=True):
-        if key:
-            cost.setdefault(key, []).extend(figures(text, "LOOP"))
-    watched, asleep = med(cost["watched"]), med(cost["asleep"])
-    rows = [[MLP, "-n 2 shm, places watched", "quiet", f"{watched:.2f}", spread(cost["watched"]), ""],
-            [MLP, "-n 2 shm, watcher asleep", "quiet", f"{asleep:.2f}", spread(cost["asleep"]), ""]]  # fmt: skip
+    cost = tally(order, run_cells(cells)[2:])
+    watched, asleep = med(cost["watched"]["LOOP"]), med(cost["asleep"]["LOOP"])
+    rows = [row("-n 2 shm, places watched", "quiet", cost["watched"]),
+            row("-n 2 shm, watcher asleep", "quiet", cost["asleep"])]  # fmt: skip
     verdicts = [verdict("watched / watcher asleep (-n 2, shm)", watched / asleep, 1.02)]
-    # shm against gloo: quiet, then busy processes the notebook started, then busy processes of another session
+    # shm against gloo: quiet, then busy processes the notebook started, then busy processes of other sessions
     for count, place in ((0, "notebook"), (1, "notebook"), (2, "notebook"), (1, "session"), (2, "session")):
-        times = loaded(count, place, repeats)
-        shm_s, gloo_s = med(times["shm"]), med(times["gloo"])
-        plural = "es" if count > 1 else ""
-        where = {0: "quiet"}.get(count, f"{count} busy process{plural}, " + ("the notebook's" if place == "notebook"
-                                                                              else "another session's"))  # fmt: skip
-        for how, value in (("shm", shm_s), ("gloo", gloo_s)):
-            rows.append([MLP, f"-n 2 {how}", where, f"{value:.2f}", spread(times[how]),
-                         f"{gloo_s / shm_s:.2f}x" if how == "shm" else ""])  # fmt: skip
-        verdicts.append(verdict(f"gloo / shm, {where}", gloo_s / shm_s, 1.0, lower_is_better=False))
+        found = loaded(count, place, repeats)
+        shm_s, gloo_s = med(found["shm"]["LOOP"]), med(found["gloo"]["LOOP"])
+        where = "quiet"
+        if count:
+            whose = (
+                "the notebook's" if place == "notebook" else f"{'each ' if count > 1 else ''}in a session of its own"
+            )
+            where = f"{count} busy process{'es' if count > 1 else ''}, {whose}"
+        rows += [row("-n 2 shm", where, found["shm"], f"{gloo_s / shm_s:.2f}x"), row("-n 2 gloo", where, found["gloo"])]
+        if place == "notebook":
+            verdicts.append(verdict(f"gloo / shm, {where}", gloo_s / shm_s, 1.0, lower_is_better=False))
+        else:
+            taken = {how: f"{share(found[how]):.0%}" for how in HOWS}
+            verdicts.append(
+                f"gloo / shm, {where}: {gloo_s / shm_s:.2f}x (no target: the CPUs are shared between sessions first; "
+                f"the ranks took {taken['shm']} of the CPUs with shm, {taken['gloo']} with gloo, where each of the "
+                f"{count + 1} sessions' fair share is {1 / (count + 1):.0%})"
+            )
     section = Section(
         "7. Waiting ranks: the watcher's cost, and shared memory against gloo on a busy machine",
-        f"The bench MLP, 200 steps after 5 warm-up steps; loop time on rank 0 in seconds; {repeats} runs of each, "
-        "alternated in one kernel. The watcher asleep: its thread samples once an hour instead of every 0.2 s. Busy "
-        "processes: a Python loop each, started by the notebook before the launches (they share the kernel's CPU "
-        "group, as every process of a container does: Colab, Kaggle, Binder), or in a session of their own (where "
-        "the notebook's processes are in the root CPU group, Linux's autogroup shares the CPUs between sessions "
-        f"first). {scheduling()}",
-        ["net", "case", "machine", "median (s)", "spread (s)", "gloo / shm"],
+        f"The bench MLP, 200 steps after 5 warm-up steps; loop time on rank 0 in seconds, and the CPU time each rank "
+        f"took over the loop (every thread of its process); {repeats} runs of each, alternated in one kernel. The "
+        "watcher asleep: its thread samples once an hour instead of every 0.2 s. Busy processes: a Python loop each, "
+        "started by the notebook before the launches (they share the kernel's CPU group, as every process of a "
+        "container does: Colab, Kaggle, Binder), or each in a session of its own (where the notebook's processes are "
+        "in the root CPU group, Linux's autogroup shares the CPUs between sessions first, then within each). "
+        f"{scheduling()}",
+        ["net", "case", "machine", "median (s)", "spread (s)", "CPU per rank (s)", "gloo / shm"],
         rows,
     )
     section.verdicts = verdicts
