@@ -106,11 +106,10 @@ def measure(repeats: int = 3) -> Section:
     watched, asleep = med(cost["watched"]["LOOP"]), med(cost["asleep"]["LOOP"])
     rows = [row("-n 2 shm, places watched", "quiet", cost["watched"]),
             row("-n 2 shm, watcher asleep", "quiet", cost["asleep"])]  # fmt: skip
-    own = med(cost["watched"]["WATCHER"])
+    own, rank = med(cost["watched"]["WATCHER"]), med(cost["watched"]["CPU"])
     verdicts = [
         verdict("watched / watcher asleep (-n 2, shm)", watched / asleep, 1.02),
-        f"the watcher thread's own CPU over the loop: {own * 1000:.1f} ms of the rank's {med(cost['watched']['CPU']):.2f} s "
-        f"({own / med(cost['watched']['CPU']):.2%})",
+        f"the watcher thread's own CPU over the loop: {own * 1000:.1f} ms of the rank's {rank:.2f} s ({own / rank:.2%})",
     ]
     # shm against gloo: quiet, then busy processes the notebook started, then busy processes of other sessions
     for count, place in ((0, "notebook"), (1, "notebook"), (2, "notebook"), (1, "session"), (2, "session")):
