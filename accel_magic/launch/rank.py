@@ -73,6 +73,7 @@ def first_line(err: BaseException) -> str:
     """The first line of the message, without gloo's source-file prefix and sign-off."""
     text = str(err).splitlines()[0] if str(err) else ""
     text = re.sub(r"^\[[^\]]+\.(?:cc|cpp|h):\d+\] ", "", text)
+    text = re.sub(r"^Unable to cast (.+) to Tensor$", r"\1", text)  # DDP's words around a hook's future's error
     return text.split(" This is typically caused")[0]
 
 

@@ -17,6 +17,7 @@ UNEVEN_STEPS = """model = torch.nn.parallel.DistributedDataParallel(torch.nn.Lin
 for step in range(3 if accelerator.is_main_process else 2):
     model(torch.ones(2, 4)).sum().backward()
 accelerator.wait_for_everyone()"""
+HAND_OFF = "import accel_magic.launch.shm as shm; shm.HAND_OFF = 'always'"  # the ranks average in their own thread
 
 # (how the cell is launched, its body, the sentence it ends with, before NEVER_MEET)
 MISMATCHES = [
@@ -46,6 +47,9 @@ MISMATCHES = [
     (TRAIN, UNEVEN_STEPS,
      "rank 0 waits in backward \\(DDP's gradient all-reduce\\) at cell line 3, "
      "rank 1 in wait_for_everyone \\(barrier\\) at cell line 4"),
+    (TRAIN, f"{HAND_OFF}\n{UNEVEN_STEPS}",
+     "rank 0 waits in backward \\(DDP's gradient all-reduce\\) at cell line 4, "
+     "rank 1 in wait_for_everyone \\(barrier\\) at cell line 5"),
 ]  # fmt: skip
 
 

@@ -232,10 +232,12 @@ def test_a_ddp_model_gets_the_hook_at_its_first_forward_unless_the_cell_register
     ],
     ids=["many-small-buckets", "one-bucket-in-parts", "gradients-as-bucket-views"],
 )
-def test_a_model_trains_to_the_bits_of_gloos_average(tmp_path: Path, shape: dict[str, Any]) -> None:
+@pytest.mark.parametrize("hand_off", ["never", "always"], ids=["training-thread", "averaging-thread"])
+def test_a_model_trains_to_the_bits_of_gloos_average(tmp_path: Path, shape: dict[str, Any], hand_off: str) -> None:
     import torch
 
     def body(r: int, path: str) -> Any:
+        shm.HAND_OFF = hand_off  # in the forked rank only
         ours = train(r, path, "", **shape)
         theirs = train(r, path, "before", **shape)  # the cell's own hook: gloo's all-reduce of buffer / 2
         return ours, theirs
@@ -245,3 +247,39 @@ def test_a_model_trains_to_the_bits_of_gloos_average(tmp_path: Path, shape: dict
     assert theirs0[2] > 4 or "cap" not in shape  # many small buckets: several a step
     assert all(torch.equal(a, b) for a, b in zip(ours0[0], ours1[0], strict=True))
     assert all(torch.equal(a, b) for a, b in zip(ours0[0], theirs0[0], strict=True))
+
+
+def test_an_averaging_thread_that_meets_a_dead_peer_fails_the_backward_as_collateral_and_every_later_one(
+    tmp_path: Path,
+) -> None:
+    def body(r: int, path: str) -> Any:
+        import threading
+
+        import torch
+
+        shm.HAND_OFF = "always"
+        shm.install(path, timeout=60)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 64))
+        for _ in range(2):  # steps together: DDP rebuilds its buckets in the second, through gloo
+            model(torch.randn(4, 8)).sum().backward()
+        if r == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        errors, waited = [], []
+        for _ in range(2):
+            started = time.monotonic()
+            try:
+                model(torch.randn(4, 8)).sum().backward()
+            except RuntimeError as err:
+                errors.append(err)
+            waited.append(time.monotonic() - started)
+        return errors, waited, [t.name for t in threading.enumerate()]
+
+    first = ranks(2, tmp_path, body)[0]
+    assert isinstance(first, tuple), first
+    errors, waited, threads = first
+    assert "accel_magic-averaging" in threads
+    assert len(errors) == 2
+    for err in errors:
+        assert rank.classify(err) == "collateral"
+        assert rank.first_line(err).startswith("rank 1 " + shm.PEER_ENDED), rank.first_line(err)
+    assert waited[0] < 5 and waited[1] < 1  # the peer was watched; the next step failed at once

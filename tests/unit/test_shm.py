@@ -1,9 +1,14 @@
-"""launch.shm without a process group: how a bucket is cut in parts, when a waiting rank spins, and who is alive."""
+"""launch.shm without a process group: how a bucket is cut in parts, when a waiting rank spins or hands its
+averaging to a thread, and who is alive."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
+from pathlib import Path
+
+import pytest
 
 from accel_magic.launch import shm
 
@@ -47,3 +52,52 @@ def test_a_zombie_is_not_alive_and_a_running_process_is() -> None:
         os.waitpid(pid, 0)
     assert shm.alive(os.getpid())
     assert not shm.alive(pid)  # reaped: gone
+
+
+def test_the_runnable_threads_of_a_busy_process_are_counted_and_a_sleeping_ones_are_not() -> None:
+    busy, asleep = os.fork(), 0
+    if busy == 0:
+        while True:
+            pass
+    try:
+        asleep = os.fork()
+        if asleep == 0:
+            time.sleep(60)
+            os._exit(0)
+        time.sleep(0.2)
+        assert max(shm.runnable_threads([busy]) for _ in range(50)) == 1
+        assert max(shm.runnable_threads([asleep]) for _ in range(50)) == 0
+        assert shm.runnable_threads([0]) == 0  # a rank that has not written its pid yet
+    finally:
+        for pid in (busy, asleep):
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+
+
+def test_a_rank_hands_its_averaging_off_while_another_program_is_busy_at_two_looks_in_a_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    load = {"runnable": 0, "ours": 0}  # fake machine load: what /proc would say
+    monkeypatch.setattr(shm, "runnable", lambda: load["runnable"])
+    monkeypatch.setattr(shm, "runnable_threads", lambda pids: load["ours"])
+    monkeypatch.setattr(shm, "LOOK_EVERY", 0.0)
+    monkeypatch.setattr(shm, "BUSY_FOR", 0.2)
+    segment = shm.Segment(str(tmp_path / "segment"), 0, 2, timeout=30, cpus=2)
+
+    def looks(runnable: int, ours: int) -> bool:
+        load.update(runnable=runnable, ours=ours)
+        return segment.hand_off()
+
+    assert not looks(2, 2)  # quiet: the two ranks
+    assert not looks(3, 2)  # a passing thread: one look
+    assert not looks(2, 2)
+    assert not looks(4, 4) and not looks(4, 4)  # -n 4 on 2 CPUs: only the ranks' own threads
+    assert not looks(3, 2) and looks(4, 2)  # another program, at two looks in a row
+    assert looks(2, 2)  # and for BUSY_FOR seconds after
+    time.sleep(0.25)
+    assert not looks(2, 2)
+    monkeypatch.setattr(shm, "HAND_OFF", "always")
+    assert looks(2, 2)
+    monkeypatch.setattr(shm, "HAND_OFF", "never")
+    assert not looks(4, 2) and not looks(4, 2)
