@@ -122,14 +122,12 @@ def measure(repeats: int = 3) -> Section:
             )
             where = f"{count} busy process{'es' if count > 1 else ''}, {whose}"
         rows += [row("-n 2 shm", where, found["shm"], f"{gloo_s / shm_s:.2f}x"), row("-n 2 gloo", where, found["gloo"])]
-        if place == "notebook":
-            verdicts.append(verdict(f"gloo / shm, {where}", gloo_s / shm_s, 1.0, lower_is_better=False))
-        else:
+        verdicts.append(verdict(f"gloo / shm, {where}", gloo_s / shm_s, 1.0, lower_is_better=False))
+        if place == "session":
             taken = {how: f"{share(found[how]):.0%}" for how in HOWS}
-            verdicts.append(
-                f"gloo / shm, {where}: {gloo_s / shm_s:.2f}x (no target: the CPUs are shared between sessions first; "
-                f"the ranks took {taken['shm']} of the CPUs with shm, {taken['gloo']} with gloo, where each of the "
-                f"{count + 1} sessions' fair share is {1 / (count + 1):.0%})"
+            verdicts[-1] += (
+                f" (the CPUs are shared between sessions first: the ranks took {taken['shm']} of them with shm, "
+                f"{taken['gloo']} with gloo, where each of the {count + 1} sessions' fair share is {1 / (count + 1):.0%})"
             )
     section = Section(
         "7. Waiting ranks: the watcher's cost, and shared memory against gloo on a busy machine",

@@ -17,13 +17,14 @@ peers' processes, and gives up after the collective timeout with an error the ra
 collateral or as a timeout. The kernel removes the segment with the launch's folder (Workdir.remove), whatever
 happened to the ranks.
 
-While another program has been busy within the last second (more runnable threads than CPUs, some of them not the
-ranks', at two looks in a row), a rank hands a step's posting, waiting and summing to an averaging thread of its
-own, and its training thread sleeps until DDP's futures are set, as gloo's threads do. Where the CPUs are shared
-between sessions first (Linux's autogroup), that keeps the ranks' share of them: on 2 CPUs with two busy programs
-each in a session of its own, the bench MLP's training thread waited for a CPU 4.0 to 4.8 s of a 7 to 8.3 s loop
-when it averaged itself, 1.4 to 2.1 s of a 4.3 to 5.5 s loop when its averaging thread did. On a quiet machine the
-hand-over would cost a few percent, so there the training thread averages itself.
+While another program has been busy within the last second (the ranks' threads have CPUs enough, yet the training
+thread waited for one over a tenth of the time, at two looks in a row), a rank hands a step's posting, waiting and
+summing to an averaging thread of its own, and its training thread sleeps until DDP's futures are set, as gloo's
+threads do. Where the CPUs are shared between sessions first (Linux's autogroup), that keeps the ranks' share of
+them: on 2 CPUs with two busy programs each in a session of its own, the bench MLP's training thread waited for a
+CPU 4.0 to 4.8 s of a 7 to 8.3 s loop when it averaged itself, 1.4 to 2.1 s of a 4.3 to 5.5 s loop when its
+averaging thread did. On a quiet machine the hand-over would cost a few percent, so there the training thread
+averages itself.
 
 Private API of torch, used here only:
 - `DistributedDataParallel._get_ddp_logging_data()` (torch 1.9 and later) and its "comm_hook" key, which
@@ -51,7 +52,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Literal
 
@@ -70,6 +71,7 @@ TIMER_SLACK_NS = 1000  # a rank's sleeps end within a microsecond of their time,
 PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
 WATCH_EVERY = 0.005  # seconds between two looks at the peers' processes while waiting (a /proc read each)
 LOOK_EVERY = 0.1  # seconds between two looks at how many threads the machine has runnable
+WAITED = 0.1  # share of the time between two looks that the training thread may wait for a CPU on a quiet machine
 BUSY_FOR = 1.0  # seconds a rank counts another program as busy after it last saw one
 # Who averages a step's buckets: the averaging thread while another program is busy ("busy"), or always, or never.
 HAND_OFF: Literal["busy", "always", "never"] = "busy"
@@ -147,11 +149,19 @@ class Segment:
     """This rank's view of the launch's segment, and the waiting on the other ranks' flags."""
 
     def __init__(
-        self, path: str, rank: int, world: int, timeout: float, spin: float = SPIN, cpus: int | None = None
+        self,
+        path: str,
+        rank: int,
+        world: int,
+        timeout: float,
+        spin: float = SPIN,
+        cpus: int | None = None,
+        threads: int = 1,
     ) -> None:
         self.rank, self.world, self.timeout, self.spin = rank, world, timeout, spin
         self.cpus = cpus or len(os.sched_getaffinity(0))
-        self.looked, self.crowded, self.others_before, self.busy_until = 0.0, False, False, 0.0
+        self.fits = world * threads <= self.cpus  # the ranks' threads have CPUs of their own
+        self.looked, self.waited, self.crowded, self.others_before, self.busy_until = 0.0, 0.0, False, False, 0.0
         self.averaging: Averaging | None = None
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         header = _round_up(world * 8, PAGE)
@@ -291,17 +301,17 @@ class Segment:
         return time.monotonic() < self.busy_until
 
     def look(self) -> None:
-        """Every LOOK_EVERY seconds, how many threads the machine has runnable: more than CPUs (crowded), and
-        whether another program's were among them at this look and the last (busy, not a passing thread)."""
+        """Every LOOK_EVERY seconds: whether the machine has more runnable threads than CPUs (crowded), and whether
+        another program is busy: where the ranks' threads have CPUs enough, the training thread waited for one for
+        more than WAITED of the time since the last look, and of the look before (not a passing thread)."""
         now = time.monotonic()
         if now >= self.looked + LOOK_EVERY:
-            ours = runnable_threads(self.pids[r] for r in range(self.world))
-            threads = runnable()
-            self.looked, self.crowded = now, threads > self.cpus
-            others = self.crowded and threads > ours
+            waited = run_queue_wait()
+            others = self.fits and waited - self.waited > WAITED * (now - self.looked)
             if others and self.others_before:
                 self.busy_until = now + BUSY_FOR
-            self.others_before = others
+            self.looked, self.waited, self.others_before = now, waited, others
+            self.crowded = runnable() > self.cpus
 
     def thread(self) -> Averaging:
         """The rank's averaging thread, started the first time it is needed."""
@@ -420,16 +430,14 @@ def runnable() -> int:
         return 0
 
 
-def runnable_threads(pids: Iterable[int]) -> int:
-    """How many threads of these processes are runnable now (running, or waiting for a CPU)."""
-    count = 0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                    stat = f.read()
-                    count += stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"R"
-    return count
+def run_queue_wait() -> float:
+    """Seconds this process's main thread has waited for a CPU while runnable, since it started
+    (/proc/self/schedstat's second field); 0 unknown."""
+    try:
+        with open("/proc/self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def spin(world: int, threads: int, cpus: int) -> float:
@@ -480,7 +488,8 @@ def install(path: str, timeout: float, cpus: int | None = None) -> None:
 
     world = dist.get_world_size()
     cpus = cpus or len(os.sched_getaffinity(0))
-    segment = Segment(path, dist.get_rank(), world, timeout, spin(world, torch.get_num_threads(), cpus), cpus)
+    threads = torch.get_num_threads()
+    segment = Segment(path, dist.get_rank(), world, timeout, spin(world, threads, cpus), cpus, threads)
     with contextlib.suppress(Exception):  # short sleeps while waiting, without oversleeping a peer's flag
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)
     original = DistributedDataParallel.__init__

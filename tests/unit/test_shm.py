@@ -54,50 +54,58 @@ def test_a_zombie_is_not_alive_and_a_running_process_is() -> None:
     assert not shm.alive(pid)  # reaped: gone
 
 
-def test_the_runnable_threads_of_a_busy_process_are_counted_and_a_sleeping_ones_are_not() -> None:
-    busy, asleep = os.fork(), 0
-    if busy == 0:
-        while True:
-            pass
-    try:
-        asleep = os.fork()
-        if asleep == 0:
-            time.sleep(60)
+def test_a_process_that_shares_its_cpu_with_a_busy_one_waits_for_it() -> None:
+    def measured() -> float:
+        """run_queue_wait's growth over 0.3 s of computing, in a process pinned to one CPU beside a busy one."""
+        read, write = os.pipe()
+        busy = os.fork()
+        if busy == 0:
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+            while True:
+                pass
+        child = os.fork()
+        if child == 0:
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+            before, until = shm.run_queue_wait(), time.monotonic() + 0.3
+            while time.monotonic() < until:
+                pass
+            os.write(write, repr(shm.run_queue_wait() - before).encode())
             os._exit(0)
-        time.sleep(0.2)
-        assert max(shm.runnable_threads([busy]) for _ in range(50)) == 1
-        assert max(shm.runnable_threads([asleep]) for _ in range(50)) == 0
-        assert shm.runnable_threads([0]) == 0  # a rank that has not written its pid yet
-    finally:
-        for pid in (busy, asleep):
-            if pid:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
+        try:
+            os.waitpid(child, 0)
+            return float(os.read(read, 100))
+        finally:
+            os.kill(busy, signal.SIGKILL)
+            os.waitpid(busy, 0)
+            os.close(read)
+            os.close(write)
+
+    assert measured() > 0.05  # about half of 0.3 s, more on a busier machine
 
 
 def test_a_rank_hands_its_averaging_off_while_another_program_is_busy_at_two_looks_in_a_row(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    load = {"runnable": 0, "ours": 0}  # fake machine load: what /proc would say
-    monkeypatch.setattr(shm, "runnable", lambda: load["runnable"])
-    monkeypatch.setattr(shm, "runnable_threads", lambda pids: load["ours"])
+    waited = [0.0]  # fake: how long the training thread waited for a CPU, as /proc would say
+
+    def looks(segment: shm.Segment, wait: float) -> bool:
+        waited[0] += wait
+        return segment.hand_off()
+
+    monkeypatch.setattr(shm, "run_queue_wait", lambda: waited[0])
     monkeypatch.setattr(shm, "LOOK_EVERY", 0.0)
     monkeypatch.setattr(shm, "BUSY_FOR", 0.2)
     segment = shm.Segment(str(tmp_path / "segment"), 0, 2, timeout=30, cpus=2)
-
-    def looks(runnable: int, ours: int) -> bool:
-        load.update(runnable=runnable, ours=ours)
-        return segment.hand_off()
-
-    assert not looks(2, 2)  # quiet: the two ranks
-    assert not looks(3, 2)  # a passing thread: one look
-    assert not looks(2, 2)
-    assert not looks(4, 4) and not looks(4, 4)  # -n 4 on 2 CPUs: only the ranks' own threads
-    assert not looks(3, 2) and looks(4, 2)  # another program, at two looks in a row
-    assert looks(2, 2)  # and for BUSY_FOR seconds after
+    assert not looks(segment, 0) and not looks(segment, 0)  # quiet
+    assert not looks(segment, 1)  # a passing thread: one look
+    assert not looks(segment, 0)
+    assert not looks(segment, 1) and looks(segment, 1)  # another program, at two looks in a row
+    assert looks(segment, 0)  # and for BUSY_FOR seconds after
     time.sleep(0.25)
-    assert not looks(2, 2)
+    assert not looks(segment, 0)
+    crowded = shm.Segment(str(tmp_path / "segment"), 0, 4, timeout=30, cpus=2)  # -n 4 on 2 CPUs: waits are ours
+    assert not looks(crowded, 1) and not looks(crowded, 1)
     monkeypatch.setattr(shm, "HAND_OFF", "always")
-    assert looks(2, 2)
+    assert looks(segment, 0)
     monkeypatch.setattr(shm, "HAND_OFF", "never")
-    assert not looks(4, 2) and not looks(4, 2)
+    assert not looks(segment, 1) and not looks(segment, 1)
