@@ -115,13 +115,15 @@ class StatusView:
             self.output.value = shown_output(self.job.output)
 
     def refresh(self, job: Job) -> None:
-        self.head.value = headline(job)
+        """Each part anew, the headline last: a front end shows each part as its message comes, so when the
+        headline says how the job ended, the rows and the button already do."""
         self.table.value = rank_rows(job)
         if self.show_output.value:
             self.output.value = shown_output(job.output)
         if job.ended.is_set():
             self.stop_button.disabled = True
             self.stop_button.description = "Stop"
+        self.head.value = headline(job)
 
     def rank_message(self, message: dict[str, Any]) -> None:
         """A kernel message from rank 0: a display goes into the widget (the cell that started the launch has
