@@ -18,7 +18,7 @@ collateral or as a timeout. The kernel removes the segment with the launch's fol
 happened to the ranks.
 
 While another program has been busy within the last second (the ranks' threads have CPUs enough, yet the training
-thread waited for one over a tenth of the time, at two looks in a row), a rank hands a step's posting, waiting and
+thread waited for one over a quarter of the time, at two looks in a row), a rank hands a step's posting, waiting and
 summing to an averaging thread of its own, and its training thread sleeps until DDP's futures are set, as gloo's
 threads do. Where the CPUs are shared between sessions first (Linux's autogroup), that keeps the ranks' share of
 them: on 2 CPUs with two busy programs each in a session of its own, the bench MLP's training thread waited for a
@@ -71,7 +71,7 @@ TIMER_SLACK_NS = 1000  # a rank's sleeps end within a microsecond of their time,
 PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
 WATCH_EVERY = 0.005  # seconds between two looks at the peers' processes while waiting (a /proc read each)
 LOOK_EVERY = 0.1  # seconds between two looks at how many threads the machine has runnable
-WAITED = 0.1  # share of the time between two looks that the training thread may wait for a CPU on a quiet machine
+WAITED = 0.25  # share of the time between two looks that the training thread may wait for a CPU on a quiet machine
 BUSY_FOR = 1.0  # seconds a rank counts another program as busy after it last saw one
 # Who averages a step's buckets: the averaging thread while another program is busy ("busy"), or always, or never.
 HAND_OFF: Literal["busy", "always", "never"] = "busy"

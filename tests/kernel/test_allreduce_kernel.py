@@ -10,9 +10,10 @@ import time
 import pytest
 
 SETUP = "%load_ext accel_magic"
+# the first line of a launched cell: the ranks average in their training thread ("never"), or in a thread of their
+# own ("always"), as they do while another program is busy
+HAND_OFF = "import accel_magic.launch.shm as shm; shm.HAND_OFF = {!r}\n"
 # the segments of this kernel's launches (named after the kernel's pid), whatever other programs make meanwhile
-# in a launched cell: the ranks average in a thread of their own, as they do while another program is busy
-HAND_OFF = "import accel_magic.launch.shm as shm; shm.HAND_OFF = 'always'\n"
 SEGMENTS = "import glob, os\nsegments = lambda: sorted(glob.glob(f'/dev/shm/accel_magic-{os.getpid()}-*.grads'))\nbefore = segments()"
 
 # A small MLP, each rank on its own data; what DDP's hook is and the segment's size are printed by rank 0 (or every
@@ -61,15 +62,16 @@ def test_two_ranks_train_to_gloos_very_bits_and_three_ranks_to_within_rounding(k
     assert cells.text(8).split() == ["BITS", "True", "CLOSE", "True", "MOVED", "True"]
 
 
-@pytest.mark.parametrize("hand_off", ["", HAND_OFF], ids=["training-thread", "averaging-thread"])
+@pytest.mark.parametrize("hand_off", ["never", "always"], ids=["training-thread", "averaging-thread"])
 def test_a_rank_killed_while_the_other_waits_ends_the_launch_naming_it_and_leaves_no_segment(
     kernel_run, hand_off: str
 ) -> None:
     cells = kernel_run(
         SETUP,
         SEGMENTS,
-        f"%%accel_train -n 2\n{hand_off}"
-        "import os, signal, torch\nnet = torch.nn.Linear(64, 64)\nopt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+        "%%accel_train -n 2\n"
+        + HAND_OFF.format(hand_off)
+        + "import os, signal, torch\nnet = torch.nn.Linear(64, 64)\nopt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
         "net, opt = accelerator.prepare(net, opt)\nfor step in range(10_000):\n"
         "    net(torch.randn(8, 64)).sum().backward(); opt.step()\n"
         "    if step == 20 and accelerator.process_index == 1:\n        os.kill(os.getpid(), signal.SIGKILL)",
@@ -90,12 +92,14 @@ def test_a_rank_killed_while_the_other_waits_ends_the_launch_naming_it_and_leave
     assert "SAME True" in cells.text(4) and cells.text(5).strip() == "True"
 
 
-@pytest.mark.parametrize("hand_off", ["", HAND_OFF], ids=["training-thread", "averaging-thread"])
+@pytest.mark.parametrize("hand_off", ["never", "always"], ids=["training-thread", "averaging-thread"])
 def test_an_interrupt_while_ranks_average_leaves_no_segment(live_kernel, hand_off: str) -> None:
     live_kernel.execute(SETUP)
     kernels = f"/dev/shm/accel_magic-{live_kernel.km.provisioner.process.pid}-*.grads"  # its launches' segments
     msg_id = live_kernel.send(
-        f"%%accel_train -n 2\n{hand_off}import torch\nnet = torch.nn.Linear(256, 256)\nnet = accelerator.prepare(net)\n"
+        "%%accel_train -n 2\n"
+        + HAND_OFF.format(hand_off)
+        + "import torch\nnet = torch.nn.Linear(256, 256)\nnet = accelerator.prepare(net)\n"
         "print('TRAINING', flush=True)\nwhile True:\n    net(torch.randn(8, 256)).sum().backward()"
     )
     deadline = time.monotonic() + 60
